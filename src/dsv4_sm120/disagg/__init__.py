@@ -1,0 +1,1 @@
+"""NIXL prefill/decode disaggregation hardening: frame validation, tombstones, liveness."""

@@ -1,0 +1,1 @@
+"""Runtime of the overlap-loop collective guard that patches/ call into."""

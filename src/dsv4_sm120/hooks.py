@@ -1,0 +1,22 @@
+"""Register hooks on upstream sglang through its own ``HookRegistry``.
+
+The one door every hook of the package goes through: it refuses targets that
+are not in the pin manifest (so a hook cannot exist without being resolved by
+``doctor``), and maps the manifest's ``how`` onto upstream's ``HookType``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dsv4_sm120 import pin
+
+
+def hook(target: str, fn: Callable) -> None:
+    """Register ``fn`` on ``target`` with the hook kind the manifest names for it."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    touch = pin.touch_for(target)
+    if touch.how not in pin.HOOK_KINDS:
+        raise ValueError(f"{target} is listed as {touch.how!r}, not as a hook, in the pin manifest")
+    HookRegistry.register(target, fn, HookType(touch.how))

@@ -1,0 +1,1 @@
+"""bf16 index keys: device pool, planner sizing, PD layout tag, HiCache host mirror."""

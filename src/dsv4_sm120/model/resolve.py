@@ -1,0 +1,49 @@
+"""Make ``--model-impl dsv4`` mean something.
+
+Upstream declares ``--model-impl`` as a free string, so ``dsv4`` parses and then
+silently behaves like ``sglang``. The AROUND hook on upstream's
+``get_model_architecture`` returns the package's class for a DeepSeek-V4
+checkpoint, refuses any other checkpoint with an error that names its
+architecture, and leaves every other ``--model-impl`` value untouched.
+"""
+
+from __future__ import annotations
+
+MODEL_IMPL = "dsv4"
+# The main model gets the package's class; the MTP draft keeps upstream's.
+MAIN_ARCH = "DeepseekV4ForCausalLM"
+
+
+class UnsupportedCheckpointError(ValueError):
+    """--model-impl dsv4 was given a checkpoint that is not DeepSeek-V4."""
+
+
+def is_dsv4_impl(model_impl) -> bool:
+    """True when a ServerArgs/ModelConfig ``model_impl`` value selects this package."""
+    return str(getattr(model_impl, "value", model_impl)).lower() == MODEL_IMPL
+
+
+def resolve_model_architecture(original, model_config, *args, **kwargs):
+    """AROUND hook for ``sglang.srt.model_loader.utils.get_model_architecture``."""
+    if not is_dsv4_impl(model_config.model_impl):
+        return original(model_config, *args, **kwargs)
+
+    from sglang.srt.configs.model_config import ModelImpl, is_deepseek_v4
+
+    hf_config = model_config.hf_config
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if not is_deepseek_v4(hf_config):
+        raise UnsupportedCheckpointError(
+            f"--model-impl dsv4 serves DeepSeek-V4 checkpoints only (architectures "
+            f"DeepseekV4ForCausalLM and its NextN draft), but {model_config.model_path!r} "
+            f"declares architectures {archs or '(none)'}. Launch this checkpoint with "
+            f"--model-impl sglang (or leave --model-impl unset)."
+        )
+    if archs[0] != MAIN_ARCH:
+        return original(model_config, *args, **kwargs)
+
+    from dsv4_sm120.model.deepseek_v4 import DeepseekV4ForCausalLMSM120
+
+    model_config._resolved_model_arch = MAIN_ARCH
+    model_config._resolved_model_impl = ModelImpl.SGLANG
+    return DeepseekV4ForCausalLMSM120, MAIN_ARCH
