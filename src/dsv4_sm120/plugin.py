@@ -15,12 +15,12 @@ import importlib
 import logging
 
 from dsv4_sm120 import pin, settings
+from dsv4_sm120.model import hooks as model_hooks
 
 logger = logging.getLogger("dsv4_sm120")
 
 # Each fix area owns a ``hooks`` module with ``register(settings.Settings)``.
 FIX_AREAS = (
-    "dsv4_sm120.model.hooks",
     "dsv4_sm120.index_k.hooks",
     "dsv4_sm120.disagg.hooks",
     "dsv4_sm120.guard.hooks",
@@ -30,19 +30,28 @@ _registered: bool = False
 
 
 def register() -> bool:
-    """Register every hook of the package once; False (and one log line) when refused."""
+    """Register every hook of the package once; False (and one log line) when the pin refuses.
+
+    A bad ``DSV4_SM120_*`` value raises :class:`settings.SettingsError` after the model
+    hook is registered (see below); later calls in the same process do nothing.
+    """
     global _registered
     if _registered:
         return True
     problem = pin.pin_mismatch(pin.installed_sglang_version())
-    cfg = settings.load()
-    if problem is not None and not cfg.allow_pin_mismatch:
+    if problem is not None and settings.raw(pin.PIN_OVERRIDE_ENV) != "1":
         logger.warning(problem)
         return False
     if problem is not None:
         logger.warning("%s (overridden by %s=1)", problem, pin.PIN_OVERRIDE_ENV)
+    # The model hook goes first and validates the switches itself when --model-impl dsv4
+    # loads: if settings.load() below raises, upstream's load_plugins() logs our message,
+    # still applies this hook, and a dsv4 launch stops with the same clear error instead
+    # of silently running as --model-impl sglang.
+    _registered = True
+    model_hooks.register()
+    cfg = settings.load()
     for area in FIX_AREAS:
         importlib.import_module(area).register(cfg)
-    _registered = True
     logger.info("dsv4-sm120: hooks registered for sglang %s", pin.installed_sglang_version())
     return True

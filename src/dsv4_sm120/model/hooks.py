@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dsv4_sm120.hooks import hook
 from dsv4_sm120.model.resolve import resolve_model_architecture
-from dsv4_sm120.settings import Settings
 
 
-def register(cfg: Settings) -> None:
+def register() -> None:
     """Always on: the hook passes through unless ``--model-impl dsv4`` is in force."""
     hook("sglang.srt.model_loader.utils.get_model_architecture", resolve_model_architecture)

@@ -30,6 +30,9 @@ def resolve_model_architecture(original, model_config, *args, **kwargs):
 
     from sglang.srt.configs.model_config import ModelImpl, is_deepseek_v4
 
+    from dsv4_sm120 import settings
+
+    settings.load()  # a bad DSV4_SM120_* value stops a dsv4 launch here, with its message
     hf_config = model_config.hf_config
     archs = list(getattr(hf_config, "architectures", None) or [])
     if not is_deepseek_v4(hf_config):
