@@ -15,6 +15,7 @@ import sys
 # name -> (module exposing add_arguments(parser) and run(args) -> int, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("dsv4_sm120.cli", "say in one screen whether this install will work"),
+    "patch": ("dsv4_sm120.patching", "apply | check | revert the collective-guard diffs on the installed sglang"),
 }
 
 

@@ -18,7 +18,10 @@ from dsv4_sm120 import pin, settings
 OK, WARN, FAIL = "ok", "warn", "fail"
 
 # Sections contributed by fix areas: "module:function" returning a Section.
-AREA_SECTIONS: tuple[str, ...] = ()
+AREA_SECTIONS: tuple[str, ...] = (
+    "dsv4_sm120.patching:doctor_section",
+    "dsv4_sm120.index_k.report:doctor_section",
+)
 
 SUPPORTED_SM = {
     (9, 0): "sm_90 (Hopper): Triton bf16 indexer kernels; upstream DeepGEMM fp8 paths",

@@ -1,9 +1,41 @@
-"""Hooks of this fix area (filled in by its issue)."""
+"""Hooks of the collective-guard area: a loud startup warning when the guard is not in the code.
+
+The guard itself is a patch (``dsv4-sm120 patch apply``), not a hook; nothing
+here can turn it on. What a hook can do is notice, when a PD scheduler builds
+its disaggregation state, that the loaded loop modules lack the guard call,
+and say so where operators look, instead of letting the deadlock wait for the
+next mass abort.
+"""
 
 from __future__ import annotations
 
+import logging
+
+from dsv4_sm120.hooks import hook
 from dsv4_sm120.settings import Settings
+
+logger = logging.getLogger("dsv4_sm120.guard")
+
+TARGET = "sglang.srt.managers.scheduler.Scheduler.init_disaggregation"
 
 
 def register(cfg: Settings) -> None:
-    """Register this area's hooks when its switch allows."""
+    """Always register the startup check; it stays quiet when the guard is switched off on purpose."""
+    if cfg.collective_guard:
+        hook(TARGET, warn_if_unpatched)
+
+
+def warn_if_unpatched(result, scheduler, *args, **kwargs):
+    """AFTER ``init_disaggregation``: warn when a PD scheduler runs the unguarded upstream loops."""
+    from dsv4_sm120 import patching
+
+    mode = getattr(getattr(scheduler, "disaggregation_mode", None), "value", "null")
+    if mode in ("prefill", "decode") and patching.applied_in_process() is not True:
+        logger.warning(
+            "\n%s\ndsv4-sm120: the PD collective guard is NOT applied to this sglang (%s scheduler, TP rank %s).\n"
+            "A mass abort can leave TP ranks in different collectives and hang this engine with /health still OK.\n"
+            "Fix: stop the server, run `dsv4-sm120 patch apply`, restart. Check with `dsv4-sm120 patch check "
+            "--require-applied` or `dsv4-sm120 doctor`. Silence: DSV4_SM120_COLLECTIVE_GUARD=0.\n%s",
+            "!" * 100, mode, getattr(scheduler, "tp_rank", "?"), "!" * 100,
+        )
+    return result

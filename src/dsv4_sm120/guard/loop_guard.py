@@ -1,0 +1,126 @@
+"""The call the patched overlap PD loops make once per iteration.
+
+``check_iteration(scheduler, loop)`` runs on every TP rank at the same point of
+every iteration (after the request broadcast, before the first queue poll). It
+compares the ranks' snapshots with one all-reduce. Agreement: return, the
+iteration proceeds unchanged. Disagreement on queues: reconcile (requests not
+held by every rank are aborted where held, their clients told why) and check
+again. Disagreement that reconciliation cannot remove (batch state, or queues
+still differing after ``MAX_ROUNDS``): fail fast, i.e. log one per-rank
+diagnosis, mark the guard unhealthy, raise out of the loop (upstream's
+scheduler process then signals its parent to shut the server down) and make
+sure the process exits non-zero within ``EXIT_WITHIN_S`` even if teardown hangs.
+
+``DSV4_SM120_COLLECTIVE_GUARD=0`` makes the call return at once: the loop is upstream's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from dsv4_sm120.guard import consensus, reconcile, snapshot
+from dsv4_sm120.guard.counters import Counters
+
+logger = logging.getLogger("dsv4_sm120.guard")
+
+MAX_ROUNDS = 3  # reconcile attempts within one iteration before failing fast
+EXIT_WITHIN_S = 8.0  # hard exit deadline after a fail-fast (the promise is < 10 s)
+EXIT_CODE = 3
+
+counters = Counters()
+_healthy = True
+
+
+class CollectiveGuardFailFast(RuntimeError):
+    """TP ranks of an overlap PD scheduler diverged and could not be reconciled."""
+
+
+def healthy() -> bool:
+    """False once this process failed fast; health checks report it."""
+    return _healthy
+
+
+class _State:
+    """Per-scheduler guard state, created at the first iteration (settings read then, once)."""
+
+    def __init__(self, scheduler, loop: str):
+        from dsv4_sm120 import settings
+
+        self.enabled = settings.load().collective_guard
+        self.groups = consensus.groups_of(scheduler) if self.enabled else []
+        self.rank = getattr(scheduler, "tp_rank", 0)
+        reporter = getattr(scheduler, "metrics_reporter", None)
+        if self.enabled and getattr(reporter, "enable_metrics", False) and not counters._prom:
+            counters.enable_metrics(loop)
+
+
+def check_iteration(scheduler, loop: str) -> None:
+    """Make this iteration's collectives the same on every rank, or fail fast."""
+    state = scheduler.__dict__.get("_dsv4_guard")
+    if state is None:
+        state = scheduler.__dict__["_dsv4_guard"] = _State(scheduler, loop)
+    if not state.groups:
+        return
+    for group in state.groups:
+        _agree(scheduler, loop, group, state.rank)
+
+
+def _agree(scheduler, loop: str, group, rank: int) -> None:
+    import torch.distributed as dist
+
+    seen = False
+    for _ in range(MAX_ROUNDS):
+        snap = snapshot.take(scheduler, loop)
+        bad = consensus.disagreeing_fields(snap.vector(), group)
+        if not bad:
+            if seen:
+                counters.add("divergences_reconciled")
+                logger.warning("dsv4-sm120 guard: %s rank %d reconciled; counters %s", loop, rank, counters.line())
+            return
+        if not seen:
+            seen = True
+            counters.add("divergences_seen")
+        gathered = consensus.gather(_exchange(scheduler, loop, snap), group)
+        labels = snap.labels()
+        if any(g["scalars"] != gathered[0]["scalars"] for g in gathered):
+            _fail_fast(loop, rank, [labels[i] for i in bad], gathered, "batch state differs (not reconcilable)")
+        p = reconcile.plan(gathered)
+        retired = reconcile.apply(scheduler, loop, p, dist.get_world_size(group))
+        counters.add("requests_aborted", retired)
+        logger.warning(
+            "dsv4-sm120 guard: %s rank %d: ranks disagreed on %s; aborted %d request(s) this rank held "
+            "alone (%s); counters %s",
+            loop, rank, ", ".join(labels[i] for i in bad), retired,
+            ", ".join(f"{q}: {sorted(o)}" for q, o in p.orphans.items()) or "queue order only", counters.line(),
+        )
+    _fail_fast(loop, rank, [], gathered, f"still diverged after {MAX_ROUNDS} reconciliations")
+
+
+def _exchange(scheduler, loop: str, snap: snapshot.Snapshot) -> dict:
+    """What each rank contributes when the fast check fails."""
+    ipc = {}
+    for name in snap.queues:
+        for item in snapshot.queue_items(scheduler, loop, name):
+            req = getattr(item, "req", item)
+            ipc[req.rid] = getattr(req, "http_worker_ipc", None)
+    return {"queues": snap.queues, "scalars": snap.scalars, "ipc": ipc}
+
+
+def _fail_fast(loop: str, rank: int, fields: list[str], gathered: list[dict], why: str) -> None:
+    global _healthy
+    _healthy = False
+    counters.add("fail_fasts")
+    lines = [f"dsv4-sm120 guard: FAIL FAST on {loop} rank {rank}: {why}; disagreeing: {', '.join(fields) or 'see below'}"]
+    for r, g in enumerate(gathered):
+        queues = " ".join(f"{q}={rids}" for q, rids in g["queues"].items())
+        scalars = " ".join(f"{k}={v}" for k, v in g["scalars"].items())
+        lines.append(f"  group rank {r}: {queues} {scalars}")
+    lines.append(f"  counters {counters.line()}; exiting with code {EXIT_CODE} within {EXIT_WITHIN_S:.0f} s "
+                 f"so a supervisor restarts the engine")
+    logger.error("\n".join(lines))
+    timer = threading.Timer(EXIT_WITHIN_S, os._exit, args=(EXIT_CODE,))
+    timer.daemon = True
+    timer.start()
+    raise CollectiveGuardFailFast(lines[0])

@@ -1,0 +1,98 @@
+"""What the TP ranks must agree on before an overlap PD iteration issues collectives.
+
+Each loop keeps queues whose polls are all-reduced only when the queue is not
+empty, and whose order pairs the reduced poll states element by element; and
+batch state that decides whether a forward or ``on_idle`` runs. A snapshot is
+one ordered list of request ids per queue plus a few scalars. Its vector form
+(per queue: length and an order-sensitive 62-bit digest) is what one all-reduce
+compares; the id lists are exchanged only when the vectors differ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+DIGEST_BITS = 62  # fits int64 with its negation, so one MIN all-reduce yields min and max
+
+# Queues per loop: name -> how to read the scheduler's items for that queue.
+PREFILL_QUEUES = ("bootstrap", "waiting", "inflight")
+DECODE_QUEUES = ("prealloc", "retracted", "transfer", "waiting", "running")
+
+
+def _rid(item) -> str:
+    """Request id of a queue item (a Req, or a decode-side DecodeRequest wrapping one)."""
+    req = getattr(item, "req", None)
+    return item.rid if req is None else req.rid
+
+
+def _batch_rids(batch) -> list[str]:
+    return [] if batch is None else [r.rid for r in getattr(batch, "reqs", ())]
+
+
+def queue_items(scheduler, loop: str, name: str) -> list:
+    """The scheduler's live list for one queue of ``loop`` ("prefill" or "decode")."""
+    if loop == "prefill":
+        if name == "bootstrap":
+            return scheduler.disagg_prefill_bootstrap_queue.queue
+        if name == "waiting":
+            return scheduler.waiting_queue
+        if name == "inflight":
+            return scheduler.disagg_prefill_inflight_queue
+    else:
+        if name == "prealloc":
+            return scheduler.disagg_decode_prealloc_queue.queue
+        if name == "retracted":
+            return scheduler.disagg_decode_prealloc_queue.retracted_queue
+        if name == "transfer":
+            return scheduler.disagg_decode_transfer_queue.queue
+        if name == "waiting":
+            return scheduler.waiting_queue
+        if name == "running":
+            batch = scheduler.running_batch
+            return [] if batch is None else batch.reqs
+    raise KeyError(f"no queue {name!r} in the {loop} loop")
+
+
+def digest(rids: list[str]) -> int:
+    """Order-sensitive digest of a list of request ids, in [0, 2**62)."""
+    h = hashlib.blake2b(digest_size=8)
+    for rid in rids:
+        h.update(rid.encode())
+        h.update(b"\0")
+    return int.from_bytes(h.digest(), "little") >> (64 - DIGEST_BITS)
+
+
+@dataclass
+class Snapshot:
+    loop: str
+    queues: dict[str, list[str]]  # queue name -> request ids in queue order
+    scalars: dict[str, int]  # batch state that picks forward vs on_idle
+
+    def vector(self) -> list[int]:
+        out = []
+        for rids in self.queues.values():
+            out += [len(rids), digest(rids)]
+        return out + list(self.scalars.values())
+
+    def labels(self) -> list[str]:
+        out = []
+        for name in self.queues:
+            out += [f"{name}.len", f"{name}.digest"]
+        return out + list(self.scalars)
+
+
+def take(scheduler, loop: str) -> Snapshot:
+    """Read this rank's state; cheap (no copies of requests, one pass over each queue)."""
+    names = PREFILL_QUEUES if loop == "prefill" else DECODE_QUEUES
+    queues = {name: [_rid(x) for x in queue_items(scheduler, loop, name)] for name in names}
+    last = getattr(scheduler, "last_batch", None)
+    chunked = getattr(scheduler, "chunked_req", None)
+    scalars = {
+        "chunked_req.digest": digest([] if chunked is None else [chunked.rid]),
+        "last_batch.present": int(bool(last)),
+        "last_batch.digest": digest(_batch_rids(last)),
+        "result_queue.len": len(getattr(scheduler, "result_queue", ()) or ()),
+        "deferred_inputs.len": len(getattr(scheduler, "_deferred_input_requests", ()) or ()),
+    }
+    return Snapshot(loop, queues, scalars)
