@@ -1,0 +1,230 @@
+"""The hardened NIXL prefill bootstrap thread.
+
+Upstream's ``NixlKVManager._start_bootstrap_thread`` (sglang 0.5.23) runs a loop,
+defined as a closure, that dies on the first frame it cannot parse (an unknown
+tag trips an ``assert``; a short frame, bad ascii, a bad int, a bad registration
+payload or an error while adding the peer raise) and is never restarted. After
+that, every new request on that rank waits in ``KVPoll.Bootstrapping`` for the
+300 s bootstrap timeout, on every TP rank, and ``/health`` stays green.
+
+The closure cannot be hooked, so an AROUND hook on ``_start_bootstrap_thread``
+starts this loop instead, over the same socket, with the same per-frame
+semantics written here, and calling the same upstream methods (``_add_remote_peer``,
+``_handle_abort_notification``, ``update_status``, the ``from_zmq`` parsers).
+What it adds:
+
+* every frame is handled inside its own try: a bad frame is refused
+  (:class:`~dsv4_sm120.disagg.rejects.RejectLog`), the thread keeps serving;
+* a peer whose registration fails half way is rolled back, so it can register again;
+* every ABORT buries its room (:class:`~dsv4_sm120.disagg.tombstones.Tombstones`),
+  and a transfer-info frame for a buried room is dropped instead of creating it;
+* the loop polls with a timeout and beats a heart, so
+  :mod:`dsv4_sm120.disagg.liveness` can tell a dead or stuck thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from dsv4_sm120.disagg.rejects import FrameRejected, RejectLog
+from dsv4_sm120.disagg.tombstones import Tombstones
+
+logger = logging.getLogger("dsv4_sm120.disagg")
+
+POLL_MS = 200
+_MIN_PARTS = 4  # room, endpoint, port, agent name after the guard frame
+
+
+def _ascii(part: bytes, what: str) -> str:
+    try:
+        return part.decode("ascii")
+    except UnicodeDecodeError:
+        raise FrameRejected("bad encoding", f"{what} is not ascii: {part[:32]!r}") from None
+
+
+def _int(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise FrameRejected("bad integer", f"{what} is not an integer: {text[:32]!r}") from None
+
+
+def describe_peer(frames: list) -> str:
+    """Best-effort name of the sender of ``frames``: agent name and endpoint when the frame carries them."""
+    try:
+        if len(frames) >= 5 and isinstance(frames[0], bytes) and frames[0].startswith(b"Nixl"):
+            host = frames[2].decode("ascii", "replace")[:64]
+            port = frames[3].decode("ascii", "replace")[:8]
+            agent = frames[4].decode("ascii", "replace")[:64]
+            return f"decode agent {agent!r} at {host}:{port}"
+        if len(frames) >= 4 and frames[0] == b"ABORT":
+            return f"decode at {frames[2].decode('ascii', 'replace')[:64]}:{frames[3].decode('ascii', 'replace')[:8]}"
+    except Exception:  # noqa: BLE001 - naming the peer must never fail
+        pass
+    return "an unidentified peer"
+
+
+class HardenedBootstrap:
+    """Serves one prefill ``NixlKVManager``'s bootstrap socket; one instance per manager."""
+
+    def __init__(self, mgr, rejects: RejectLog | None = None, tombstones: Tombstones | None = None):
+        self.mgr = mgr
+        self.rejects = rejects or RejectLog()
+        self.tombstones = tombstones or Tombstones()
+        self.last_beat = time.monotonic()
+        self.busy_since: float | None = None
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.exit_reason: str | None = None
+
+    # -- thread -----------------------------------------------------------------------------
+    def start(self) -> threading.Thread:
+        rank = getattr(self.mgr.kv_args, "engine_rank", "?")
+        self.thread = threading.Thread(target=self._run, name=f"dsv4-nixl-bootstrap-rank{rank}", daemon=True)
+        self.thread.start()
+        return self.thread
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Ask the loop to return (tests and the harness; a server never stops it)."""
+        self.stopping.set()
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    def _run(self) -> None:
+        import zmq
+
+        sock = self.mgr.server_socket
+        try:
+            while not self.stopping.is_set():
+                self.last_beat = time.monotonic()
+                if not sock.poll(POLL_MS, zmq.POLLIN):
+                    continue
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+                self.busy_since = time.monotonic()
+                try:
+                    self.serve(frames)
+                finally:
+                    self.busy_since = None
+        except BaseException as exc:  # the thread is ending: say why, liveness reports it
+            self.exit_reason = f"{type(exc).__name__}: {exc}"
+            logger.exception(
+                "dsv4-sm120: NIXL prefill bootstrap thread on engine_rank=%s stopped; health now fails",
+                getattr(self.mgr.kv_args, "engine_rank", "?"),
+            )
+            raise
+        self.exit_reason = "stopped"
+
+    # -- one frame ----------------------------------------------------------------------------
+    def serve(self, frames: list) -> None:
+        """Handle one multipart frame; never raises for a bad frame."""
+        try:
+            self._dispatch(frames)
+            self.rejects.count("frames_served")
+        except FrameRejected as exc:
+            self.rejects.reject(describe_peer(frames), exc)
+        except Exception as exc:  # an upstream handler failed on this frame
+            self.rejects.reject(describe_peer(frames), FrameRejected("handler error", f"{type(exc).__name__}: {exc}"))
+
+    def _dispatch(self, frames: list) -> None:
+        from sglang.srt.disaggregation.common.conn import ABORT_TAG
+        from sglang.srt.disaggregation.common.staging_handler import handle_staging_rsp, handle_watermark_msg
+        from sglang.srt.disaggregation.nixl.conn import GUARD
+
+        if not frames:
+            raise FrameRejected("too few parts", "empty multipart message")
+        tag = frames[0]
+        if tag == b"WATERMARK":
+            if self.mgr.enable_staging:
+                handle_watermark_msg(self.mgr._staging_ctx, frames)
+            return
+        if tag == b"STAGING_RSP":
+            if self.mgr.enable_staging:
+                handle_staging_rsp(frames, self.mgr.transfer_infos)
+            return
+        if tag == ABORT_TAG:
+            self._abort(frames)
+            return
+        if tag != GUARD:
+            raise FrameRejected("unknown tag", f"first part {tag[:32]!r} is none of {GUARD!r}, ABORT, WATERMARK, STAGING_RSP")
+        body = frames[1:]
+        if len(body) < _MIN_PARTS:
+            raise FrameRejected("too few parts", f"{len(body)} parts after the guard, need at least {_MIN_PARTS}")
+        room_text = _ascii(body[0], "room")
+        agent = _ascii(body[3], "agent name")
+        if room_text == "None":
+            self._register(body, agent)
+        else:
+            self._transfer_info(_int(room_text, "room"), agent, body)
+
+    def _abort(self, frames: list) -> None:
+        from sglang.srt.disaggregation.common.conn import AbortNotification
+
+        notification = AbortNotification.from_zmq(frames)
+        if notification is None:
+            raise FrameRejected("bad abort", f"ABORT with {len(frames)} parts carries no integer room")
+        # Bury first: a transfer-info frame racing this ABORT must find the tombstone.
+        self.tombstones.bury(notification.room)
+        self.mgr._handle_abort_notification(frames)
+        self.rejects.count("aborts_handled")
+
+    def _register(self, body: list, agent: str) -> None:
+        from sglang.srt.disaggregation.nixl.conn import KVArgsRegisterInfo
+
+        try:
+            info = KVArgsRegisterInfo.from_zmq(body)
+        except Exception as exc:
+            raise FrameRejected("bad registration payload", f"{type(exc).__name__}: {exc}") from None
+        known = agent in self.mgr.decode_kv_args_table
+        try:
+            self.mgr._add_remote_peer(info)
+        except Exception as exc:
+            if not known:
+                self._roll_back_peer(agent)
+            raise FrameRejected("peer registration failed", f"{type(exc).__name__}: {exc}; peer rolled back") from None
+
+    def _roll_back_peer(self, agent: str) -> None:
+        """Undo what ``_add_remote_peer`` did before it failed, so the peer can register again."""
+        mgr = self.mgr
+        mgr.decode_kv_args_table.pop(agent, None)
+        for table in ("prep_handles", "prep_handles_slice_dst", "_prepared_state_plans", "_state_layout_rejections"):
+            getattr(mgr, table, {}).pop(agent, None)
+        try:
+            if mgr.agent.check_remote_metadata(agent):
+                mgr.agent.remove_remote_agent(agent)
+        except Exception:  # noqa: BLE001 - nothing was loaded for this agent
+            pass
+
+    def _transfer_info(self, room: int, agent: str, body: list) -> None:
+        from sglang.srt.disaggregation.base.conn import KVPoll
+        from sglang.srt.disaggregation.nixl.conn import TransferInfo
+
+        if room in self.tombstones:
+            self.rejects.count("late_frames_dropped")
+            logger.debug("dsv4-sm120: dropped transfer info for aborted room %s from %s", room, agent)
+            return
+        try:
+            info = TransferInfo.from_zmq(body)
+        except Exception as exc:
+            raise FrameRejected("bad transfer info", f"room {room}: {type(exc).__name__}: {exc}") from None
+        if info.required_dst_info_num < 1:
+            raise FrameRejected("bad transfer info", f"room {room}: required_dst_info_num={info.required_dst_info_num}")
+        mgr = self.mgr
+        room_infos = mgr.transfer_infos.setdefault(room, {})
+        room_infos[agent] = info
+        if len(room_infos) != info.required_dst_info_num:
+            return
+        try:
+            mgr.resolve_kv_replica_factor(room_infos)
+            mgr.req_to_decode_prefix_len[room] = next(
+                (i.decode_prefix_len for i in room_infos.values() if i.decode_prefix_len is not None), 0
+            )
+            mgr.update_status(room, KVPoll.WaitingForInput)
+        except Exception as exc:
+            mgr.record_failure(room, f"dsv4-sm120: bootstrap of room {room} failed: {exc}")
+            if room in mgr.request_status:
+                mgr.update_status(room, KVPoll.Failed)
+            else:  # nobody would ever clear it
+                mgr.transfer_infos.pop(room, None)
+            raise FrameRejected("bootstrap failed", f"room {room}: {type(exc).__name__}: {exc}; room marked Failed") from None
