@@ -50,6 +50,6 @@ def test_server_wedged_before_the_storm_is_reported_as_such(server, capsys):
 
 def test_rounds_stop_at_the_first_wedge(server, capsys):
     server.reset(token_delay_s=0.01, wedge_after_aborts=15)
-    rc, out = _storm(server, capsys, "--sessions", "10", "--cancel-after", "0.3", "--deadline", "1.5", "--rounds", "3")
+    rc, out = _storm(server, capsys, "--sessions", "10", "--cancel-after", "1", "--deadline", "1.5", "--rounds", "3")
     assert rc == 1
     assert [r["recovery_s"] is None for r in out["rounds"]] == [False, True]
