@@ -10,7 +10,8 @@ the opening tags of the pin's DeepSeek detectors (sglang 0.5.23,
   ``<｜DSML｜ calls>`` around ``<｜DSML｜invoke name="...">`` and
   ``<｜DSML｜parameter ...>`` — all share the ``｜DSML｜`` token (full-width bars,
   U+FF5C), so that token alone identifies a leak, whole or cut mid-tag.
-- V3 / V3.1: ``<｜tool▁calls▁begin｜>``, ``<｜tool▁call▁begin｜>``, ``<｜tool▁sep｜>``.
+- V3 / V3.1: ``<｜tool▁calls▁begin｜>``, ``<｜tool▁call▁begin｜>``, ``<｜tool▁sep｜>`` and
+  their ``▁end｜>`` closers.
 
 The ASCII-bar spelling (``<|DSML|``) is matched as well, in case a proxy or client
 folds full-width characters. ``tests/serving_bench`` checks these markers against the
@@ -30,6 +31,8 @@ DEEPSEEK_TOOL_MARKUP: tuple[str, ...] = (
     "<｜tool▁calls▁begin｜>",
     "<｜tool▁call▁begin｜>",
     "<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁end｜>",
 )
 
 TOOL_CALL, CONTENT, CORRUPTED = "tool_call", "content", "corrupted"
