@@ -1,1 +1,12 @@
-"""Triton kernels for bf16 index keys with torch references. Imports torch and triton only, never sglang."""
+"""Triton kernels for bf16 index keys, each with a plain torch reference.
+
+Imports torch and triton only, never sglang: the same modules run on the lent
+H200 image (Triton 3.6) and compile ahead of time for sm_90 and sm_120 in CI
+(Triton 3.8). Modules:
+
+- ``layout``: the bf16 C4 index-K page contract shared with the memory pool.
+- ``index_k_store``: compressor output -> RMSNorm, RoPE, Hadamard -> bf16 page rows.
+- ``index_query``: indexer query RoPE + Hadamard in bf16 (no fp8 quantization).
+- ``mqa_logits``: paged MQA logits over bf16 pages, decode and prefill.
+- ``page_checksum``: per-page integrity checksum for HiCache / PD integrity mode.
+"""

@@ -1,0 +1,68 @@
+"""Ahead-of-time compilation of every kernel for sm_90 and sm_120, without a GPU.
+
+Triton compiles a ``@triton.jit`` function for a named ``GPUTarget`` on a
+machine with no GPU, so CI catches a kernel that stops building for Blackwell
+(sm_120) or Hopper (sm_90) before anyone deploys it. ``KERNEL_SPECS`` lists
+each kernel with the argument types and constexprs it is launched with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from dsv4_sm120.kernels import index_k_store, index_query, mqa_logits, page_checksum
+from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, ROPE_DIM
+
+TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "sm_120": GPUTarget("cuda", 120, 32)}
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str
+    fn: object
+    signature: dict
+    constexprs: dict
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _store_spec(mode: int) -> KernelSpec:
+    sig = {"kv_ptr": "*bf16", "stride_kv": "i64", "plan_ptr": "*i32", "pos_ptr": "*i64", "loc_ptr": "*i64",
+           "w_ptr": "*bf16", "freqs_ptr": "*fp32", "pages_ptr": "*bf16", "n_rows": "i32", "eps": "fp32", "ratio": "i32"}
+    return KernelSpec(f"index_k_store[mode={mode}]", index_k_store._store_kernel, sig,
+                      {"MODE": mode, "BLOCK_N": index_k_store.BLOCK_N, "D": HEAD_DIM, "ROPE": ROPE_DIM,
+                       "PAGE": PAGE_SLOTS})
+
+
+def _logits_spec(block_k: int) -> KernelSpec:
+    sig = {"q_ptr": "*bf16", "w_ptr": "*fp32", "kv_ptr": "*bf16", "seq_ptr": "*i32", "pt_ptr": "*i32",
+           "out_ptr": "*fp32", "stride_q_row": "i64", "stride_q_head": "i64", "stride_w_row": "i64",
+           "stride_pt_row": "i64", "stride_out_row": "i64", "max_seq_len": "i32", "tiles_per_prog": "i32"}
+    return KernelSpec(f"mqa_logits[block_k={block_k}]", mqa_logits._logits_kernel, sig,
+                      {"H": 64, "D": HEAD_DIM, "PAGE": PAGE_SLOTS, "BLOCK_K": block_k, "FP32_DOT": False})
+
+
+KERNEL_SPECS = (
+    _store_spec(0), _store_spec(1), _store_spec(2),
+    KernelSpec("index_query", index_query._query_kernel,
+               {"q_ptr": "*bf16", "out_ptr": "*bf16", "freqs_ptr": "*fp32", "pos_ptr": "*i64", "n_rows": "i32",
+                "n_heads": "i32"},
+               {"BLOCK_N": index_query.BLOCK_N, "D": HEAD_DIM, "ROPE": ROPE_DIM}),
+    _logits_spec(64), _logits_spec(128),
+    KernelSpec("page_checksum", page_checksum._checksum_kernel,
+               {"x_ptr": "*u8", "out_ptr": "*i64", "row_bytes": "i32", "stride_row": "i64"},
+               {"BLOCK": page_checksum.BLOCK}),
+)
+
+
+def compile_for(spec: KernelSpec, target: GPUTarget):
+    """Compile one kernel for one target; returns Triton's compiled kernel (has .asm)."""
+    signature = dict(spec.signature)
+    for name in spec.constexprs:
+        signature[name] = "constexpr"
+    src = ASTSource(fn=spec.fn, signature=signature, constexprs=dict(spec.constexprs))
+    return triton.compile(src, target=target, options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})

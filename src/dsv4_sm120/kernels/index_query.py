@@ -1,0 +1,73 @@
+"""bf16 indexer query: RoPE on the last 64 dims + 128-point Hadamard, kept in bf16.
+
+Upstream's fused query kernel ends in a per-(token, head) fp8 quantization and
+folds that scale into the head weights. With bf16 keys there is nothing to
+quantize: the rotated query stays bf16 and the head weights are only scaled by
+``weight_scale`` (softmax_scale * n_heads^-0.5), returned as fp32 [T, H, 1]
+like upstream's ``weights_out``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4_sm120.kernels._common import hadamard_128, hadamard_matrix, rope_tail_interleaved, rope_tail_ref, to_bf16_rne
+from dsv4_sm120.kernels.index_k_store import as_freqs_real
+from dsv4_sm120.kernels.layout import HEAD_DIM, ROPE_DIM
+
+BLOCK_N = 32
+
+
+@triton.jit
+def _query_kernel(q_ptr, out_ptr, freqs_ptr, pos_ptr, n_rows, n_heads,
+                  BLOCK_N: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < n_rows
+    pos = tl.load(pos_ptr + rows // n_heads, mask=ok, other=0).to(tl.int64)
+    cols = tl.arange(0, D)
+    base = rows.to(tl.int64)[:, None] * D
+    x = tl.load(q_ptr + base + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    xp = tl.load(q_ptr + base + (cols ^ 1)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    is_rope = cols >= (D - ROPE)
+    fcol = tl.where(is_rope, (cols - (D - ROPE)) & ~1, 0)
+    fmask = ok[:, None] & is_rope[None, :]
+    fbase = freqs_ptr + pos[:, None] * ROPE + fcol[None, :]
+    cos = tl.load(fbase, mask=fmask, other=1.0)
+    sin = tl.load(fbase + 1, mask=fmask, other=0.0)
+    y = hadamard_128(rope_tail_interleaved(x, xp, cos, sin, cols, D - ROPE))
+    tl.store(out_ptr + base + cols[None, :], to_bf16_rne(y), mask=ok[:, None])
+
+
+def _check(q, weights, positions):
+    if q.dim() != 3 or q.shape[-1] != HEAD_DIM:
+        raise ValueError(f"q must be [T, H, {HEAD_DIM}]; got {tuple(q.shape)}")
+    if tuple(weights.shape[:2]) != tuple(q.shape[:2]):
+        raise ValueError(f"weights must be [T, H] matching q; got {tuple(weights.shape)} for q {tuple(q.shape)}")
+    if positions.shape[0] != q.shape[0]:
+        raise ValueError(f"positions must be [T]; got {tuple(positions.shape)} for {q.shape[0]} tokens")
+
+
+def index_query_bf16(q, weights, weight_scale: float, freqs, positions):
+    """q [T, H, 128] (any float) -> (rotated q bf16 [T, H, 128], weights fp32 [T, H, 1])."""
+    _check(q, weights, positions)
+    q = q.contiguous()
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    n = q.shape[0] * q.shape[1]
+    if n:
+        _query_kernel[(triton.cdiv(n, BLOCK_N),)](
+            q, out, as_freqs_real(freqs), positions.contiguous(), n, q.shape[1],
+            BLOCK_N=BLOCK_N, D=HEAD_DIM, ROPE=ROPE_DIM, num_warps=4,
+        )
+    w = (weights.reshape(q.shape[0], q.shape[1]).float() * float(weight_scale)).unsqueeze(-1)
+    return out, w
+
+
+def index_query_bf16_ref(q, weights, weight_scale: float, freqs, positions):
+    """Plain torch reference of :func:`index_query_bf16` (float64 math)."""
+    _check(q, weights, positions)
+    x = rope_tail_ref(q.double(), as_freqs_real(freqs).double(), positions, ROPE_DIM)
+    y = x @ hadamard_matrix(HEAD_DIM, torch.float64, q.device)
+    w = (weights.reshape(q.shape[0], q.shape[1]).double() * float(weight_scale)).float().unsqueeze(-1)
+    return y.to(torch.bfloat16), w

@@ -1,0 +1,148 @@
+"""Paged MQA logits over bf16 index-K pages (the C4 lightning indexer's scores).
+
+    logits[t, n] = sum_h w[t, h] * relu(q[t, h] . k[n])   for n < seq_lens[t]
+    logits[t, n] = -inf                                    for seq_lens[t] <= n < max_seq_len
+
+where key n of row t lives at page ``page_table[t, n // 64]``, row ``n % 64`` of
+the bf16 pool ``[num_pages, 64, 128]``. The output is fp32 ``[rows, max_seq_len]``,
+contiguous: the shape and dtype upstream's paged top-k transforms
+(``--dsa-topk-backend`` sgl-kernel / torch / flashinfer) read, with upstream's
+sm_120 convention of -inf past each row's length. One program scores one query
+row over a range of key tiles: each key tile [BLOCK_K, 128] is one tensor-core
+product against the row's 64 heads, then relu, weight and a sum over heads in
+registers; keys are read once per row, so decode streams the pool at HBM speed
+and prefill reuses keys from L2.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4_sm120.kernels._common import interpreting
+from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, check_pages
+
+DEFAULT_BLOCK_K = 64
+DEFAULT_TILES_PER_PROG = 8
+
+
+@triton.jit
+def _logits_kernel(
+    q_ptr, w_ptr, kv_ptr, seq_ptr, pt_ptr, out_ptr,
+    stride_q_row, stride_q_head, stride_w_row, stride_pt_row, stride_out_row,
+    max_seq_len, tiles_per_prog,
+    H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    seq = tl.load(seq_ptr + row)
+    heads = tl.arange(0, H)
+    dims = tl.arange(0, D)
+    q_t = tl.load(q_ptr + row64 * stride_q_row + heads[None, :] * stride_q_head + dims[:, None])  # [D, H]
+    w = tl.load(w_ptr + row64 * stride_w_row + heads).to(tl.float32)
+    out_row = out_ptr + row64 * stride_out_row
+    pt_row = pt_ptr + row64 * stride_pt_row
+
+    total_tiles = tl.cdiv(max_seq_len, BLOCK_K)
+    t0 = split * tiles_per_prog
+    t1 = tl.minimum(t0 + tiles_per_prog, total_tiles)
+    t_valid = tl.maximum(tl.minimum(t1, tl.cdiv(seq, BLOCK_K)), t0)
+    offs = tl.arange(0, BLOCK_K)
+    for t in range(t0, t_valid):
+        n = t * BLOCK_K + offs
+        live = n < seq
+        page = tl.load(pt_row + n // PAGE, mask=live, other=0).to(tl.int64)
+        k = tl.load(kv_ptr + (page * (PAGE * D) + (n % PAGE) * D)[:, None] + dims[None, :],
+                    mask=live[:, None], other=0.0)  # [BLOCK_K, D]
+        if FP32_DOT:  # the CPU interpreter's bf16 dot is wrong; exact bf16 products in fp32 agree
+            s = tl.dot(k.to(tl.float32), q_t.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(k, q_t)  # [BLOCK_K, H] fp32 accumulate
+        s = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)
+        tl.store(out_row + n, tl.where(live, s, float("-inf")), mask=n < max_seq_len)
+    for t in range(t_valid, t1):
+        n = t * BLOCK_K + offs
+        tl.store(out_row + n, tl.full([BLOCK_K], float("-inf"), tl.float32), mask=n < max_seq_len)
+
+
+def _normalize(q, weights, seq_lens, page_table):
+    if q.dim() == 4:  # upstream passes [B, next_n=1, H, D]
+        if q.shape[1] != 1:
+            raise ValueError(f"q [B, next_n, H, D] needs next_n == 1 (flatten MTP rows first); got {tuple(q.shape)}")
+        q = q[:, 0]
+    if q.dim() != 3 or q.shape[-1] != HEAD_DIM or q.dtype != torch.bfloat16:
+        raise ValueError(f"q must be bf16 [rows, H, {HEAD_DIM}]; got {q.dtype} {tuple(q.shape)}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    rows, heads = q.shape[0], q.shape[1]
+    if heads & (heads - 1) or heads < 16:
+        raise ValueError(f"the number of heads must be a power of two >= 16; got {heads}")
+    weights = weights.reshape(rows, heads)
+    if weights.stride(-1) != 1:
+        weights = weights.contiguous()
+    seq_lens = seq_lens.reshape(-1)
+    if seq_lens.shape[0] != rows or page_table.dim() != 2 or page_table.shape[0] != rows:
+        raise ValueError(f"seq_lens [rows] and page_table [rows, pages] must match q's {rows} rows; got "
+                         f"{tuple(seq_lens.shape)} and {tuple(page_table.shape)}")
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    if page_table.dtype != torch.int32 or page_table.stride(-1) != 1:
+        page_table = page_table.to(torch.int32).contiguous()
+    return q, weights, seq_lens, page_table
+
+
+def bf16_paged_mqa_logits(
+    q: torch.Tensor,
+    pages: torch.Tensor,
+    weights: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    max_seq_len: int,
+    *,
+    out: torch.Tensor | None = None,
+    block_k: int = DEFAULT_BLOCK_K,
+    tiles_per_prog: int = DEFAULT_TILES_PER_PROG,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """fp32 logits [rows, max_seq_len] of bf16 queries against the bf16 index-K pool (see module doc)."""
+    check_pages(pages)
+    q, weights, seq_lens, page_table = _normalize(q, weights, seq_lens, page_table)
+    rows = q.shape[0]
+    if out is None:
+        out = torch.empty((rows, max_seq_len), dtype=torch.float32, device=q.device)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (rows, max_seq_len) or out.stride(1) != 1:
+        raise ValueError(f"out must be fp32 [{rows}, {max_seq_len}] with unit inner stride")
+    if rows == 0 or max_seq_len == 0:
+        return out
+    splits = triton.cdiv(triton.cdiv(max_seq_len, block_k), tiles_per_prog)
+    _logits_kernel[(rows, splits)](
+        q, weights, pages, seq_lens, page_table, out,
+        q.stride(0), q.stride(1), weights.stride(0), page_table.stride(0), out.stride(0),
+        max_seq_len, tiles_per_prog,
+        H=q.shape[1], D=HEAD_DIM, PAGE=PAGE_SLOTS, BLOCK_K=block_k, FP32_DOT=interpreting(),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def paged_mqa_logits_ref(q, pages, weights, seq_lens, page_table, max_seq_len, *, dtype=torch.float32,
+                         rows_per_chunk: int = 256) -> torch.Tensor:
+    """Plain torch reference in ``dtype`` (fp32 or fp64) on upcast inputs, chunked over rows."""
+    check_pages(pages)
+    q, weights, seq_lens, page_table = _normalize(q, weights, seq_lens, page_table)
+    rows = q.shape[0]
+    out = torch.full((rows, max_seq_len), float("-inf"), dtype=torch.float32, device=q.device)
+    n_pages = triton.cdiv(max_seq_len, PAGE_SLOTS)
+    pos = torch.arange(max_seq_len, device=q.device)
+    for r0 in range(0, rows, rows_per_chunk):
+        r1 = min(rows, r0 + rows_per_chunk)
+        pt = page_table[r0:r1, :n_pages].long()
+        valid_pages = torch.arange(pt.shape[1], device=q.device)[None, :] * PAGE_SLOTS < seq_lens[r0:r1, None]
+        k = pages[torch.where(valid_pages, pt, 0)].to(dtype).flatten(1, 2)[:, :max_seq_len]  # [r, N, D]
+        s = torch.einsum("rnd,rhd->rnh", k, q[r0:r1].to(dtype)).clamp_min(0)
+        s = (s * weights[r0:r1, None, :].to(dtype)).sum(-1)
+        live = pos[None, : s.shape[1]] < seq_lens[r0:r1, None]
+        out[r0:r1, : s.shape[1]] = torch.where(live, s, float("-inf")).float()
+    return out
