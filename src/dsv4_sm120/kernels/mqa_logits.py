@@ -23,8 +23,9 @@ import triton.language as tl
 from dsv4_sm120.kernels._common import interpreting
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, check_pages
 
+# Defaults from the H200 sweep in bench/results/indexer_h200_*.json (decode and prefill agree on them).
 DEFAULT_BLOCK_K = 64
-DEFAULT_TILES_PER_PROG = 8
+TARGET_PROGRAMS = 2048  # ~15 programs per SM: enough loads in flight for decode, one pass per row for prefill
 
 
 @triton.jit
@@ -102,9 +103,9 @@ def bf16_paged_mqa_logits(
     *,
     out: torch.Tensor | None = None,
     block_k: int = DEFAULT_BLOCK_K,
-    tiles_per_prog: int = DEFAULT_TILES_PER_PROG,
+    tiles_per_prog: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """fp32 logits [rows, max_seq_len] of bf16 queries against the bf16 index-K pool (see module doc)."""
     check_pages(pages)
@@ -116,7 +117,10 @@ def bf16_paged_mqa_logits(
         raise ValueError(f"out must be fp32 [{rows}, {max_seq_len}] with unit inner stride")
     if rows == 0 or max_seq_len == 0:
         return out
-    splits = triton.cdiv(triton.cdiv(max_seq_len, block_k), tiles_per_prog)
+    total_tiles = triton.cdiv(max_seq_len, block_k)
+    if tiles_per_prog is None:  # split long rows only when there are too few rows to fill the GPU
+        tiles_per_prog = max(4, min(total_tiles, triton.cdiv(rows * total_tiles, TARGET_PROGRAMS)))
+    splits = triton.cdiv(total_tiles, tiles_per_prog)
     _logits_kernel[(rows, splits)](
         q, weights, pages, seq_lens, page_table, out,
         q.stride(0), q.stride(1), weights.stride(0), page_table.stride(0), out.stride(0),

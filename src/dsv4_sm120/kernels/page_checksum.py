@@ -3,10 +3,10 @@
 A Fletcher-style pair over the bytes of each row: ``s1 = sum b_i`` and
 ``s2 = sum (i + 1) * b_i``, packed as ``(s2 mod 2^31) << 32 | (s1 mod 2^32)``
 into one int64. Any single changed byte changes s1; any two changed bytes that
-keep s1 (a swap or a +d/-d pair) change s2. Partial sums stay in int32 inside a
-2048-byte block and in int64 across blocks, so the Triton kernel and the torch
-reference produce the same bits with no overflow for rows up to 2^24 bytes.
-One program per row; rows are read once at device bandwidth.
+keep s1 (a swap or a +d/-d pair) change s2. The kernel keeps per-lane int32
+partial sums (no overflow for rows up to 2^23 bytes) and reduces them once in
+int64, so it and the torch reference produce the same bits. One program per
+row; rows are read once at device bandwidth.
 """
 
 from __future__ import annotations
@@ -16,23 +16,28 @@ import triton
 import triton.language as tl
 
 BLOCK = 2048
-MAX_ROW_BYTES = 1 << 24
+MAX_ROW_BYTES = 1 << 23
 
 
 @triton.jit
 def _checksum_kernel(x_ptr, out_ptr, row_bytes, stride_row, BLOCK: tl.constexpr):
+    # Per-lane int32 accumulators, one reduction at the end:
+    #   s1 = sum b,  s2 = sum b * (j + 1) + BLOCK * sum b * block_index   (byte i = block_index * BLOCK + j)
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_row
     offs = tl.arange(0, BLOCK)
-    s1 = tl.zeros([], dtype=tl.int64)
-    s2 = tl.zeros([], dtype=tl.int64)
-    for start in range(0, row_bytes, BLOCK):
-        idx = start + offs
+    acc_s = tl.zeros([BLOCK], dtype=tl.int32)
+    acc_w = tl.zeros([BLOCK], dtype=tl.int32)
+    acc_blk = tl.zeros([BLOCK], dtype=tl.int32)
+    n_blocks = tl.cdiv(row_bytes, BLOCK)
+    for blk in range(0, n_blocks):
+        idx = blk * BLOCK + offs
         b = tl.load(base + idx, mask=idx < row_bytes, other=0).to(tl.int32)
-        part = tl.sum(b, axis=0)
-        weighted = tl.sum(b * (offs + 1), axis=0)
-        s1 += part.to(tl.int64)
-        s2 += weighted.to(tl.int64) + part.to(tl.int64) * start
+        acc_s += b
+        acc_w += b * (offs + 1)
+        acc_blk += b * blk
+    s1 = tl.sum(acc_s.to(tl.int64), axis=0)
+    s2 = tl.sum(acc_w.to(tl.int64), axis=0) + BLOCK * tl.sum(acc_blk.to(tl.int64), axis=0)
     packed = ((s2 & 0x7FFFFFFF) << 32) | (s1 & 0xFFFFFFFF)
     tl.store(out_ptr + row, packed)
 
