@@ -1,0 +1,79 @@
+"""HiCache host mirror for bf16 index-K pages.
+
+Upstream's DSV4 stack already mirrors the C4 indexer region row for row: the
+host item is the device page row (``_dsv4_indexer_regions``), so the host pool
+is a ``DeepSeekV4PagedHostPool`` with 16384-byte rows and the same host page
+count as the C4 KV pool (upstream's ratio rules). What upstream gets wrong for
+bf16 is the sub-page copy: a transfer that is not a whole number of pages goes
+through ``transfer_cache_dsv4_mla``, a kernel hard-wired to the fp8 C4 row
+(128 B keys, then 4 B scales). On a bf16 row it would move the wrong bytes, so
+the bf16 mirror must refuse sub-page transfers (``page_aligned_only``), as
+upstream's own fp4 indexer mirror does.
+
+The strategy below is prepended through upstream's ``register_stack_strategy``;
+it matches only a pool with bf16 C4 keys and otherwise builds exactly
+upstream's DSV4 stack. Upstream reads ``page_aligned_only`` only at transfer
+time (and in ``__init__`` only on XPU, for the sub-page kernel it now never
+calls), so setting it on the built host pool is equivalent to building it so.
+"""
+
+from __future__ import annotations
+
+from dsv4_sm120.index_k import layout
+
+_registered = False
+
+
+class IndexKMirrorError(RuntimeError):
+    """The host mirror built for the bf16 index-K region does not match the device rows."""
+
+
+def _strategy_class():
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _DeepSeekV4Strategy
+
+    from dsv4_sm120.index_k.pool import BF16IndexKPool
+
+    class BF16IndexKStackStrategy(_DeepSeekV4Strategy):
+        """Upstream's DSV4 HiCache stack with the bf16 index-K mirror page-aligned only."""
+
+        def matches(self, kvcache, components):
+            pools = getattr(kvcache, "index_pools", None) or {}
+            return isinstance(pools.get(4), BF16IndexKPool) and super().matches(kvcache, components)
+
+        def build(self, **kwargs):
+            result = super().build(**kwargs)
+            host = result.host_pool_group.get_pool(PoolName.DEEPSEEK_V4_C4_INDEXER)
+            check_mirror(host, kwargs["kvcache"].index_pools[4])
+            host.page_aligned_only = True
+            return result
+
+    return BF16IndexKStackStrategy
+
+
+def check_mirror(host_pool, device_pool) -> None:
+    """Refuse a host mirror whose rows are not the bf16 device page rows."""
+    rows = device_pool.index_k_with_scale_buffer
+    problems = []
+    if host_pool.item_bytes != layout.BF16_PAGE_ROW_BYTES:
+        problems.append(f"host item is {host_pool.item_bytes} B, not {layout.BF16_PAGE_ROW_BYTES}")
+    if len(host_pool.device_buffers) != len(rows) or any(
+        a.data_ptr() != b.data_ptr() for a, b in zip(host_pool.device_buffers, rows)
+    ):
+        problems.append("its device buffers are not the bf16 pool's page rows")
+    if problems:
+        raise IndexKMirrorError(
+            "HiCache host mirror of the bf16 index-K region is wrong: " + "; ".join(problems)
+            + ". The installed sglang's DSV4 stack changed; run `dsv4-sm120 doctor`."
+        )
+
+
+def register_stack_strategy() -> None:
+    """Prepend the bf16 strategy to upstream's registry once per process."""
+    global _registered
+    if _registered:
+        return
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import register_stack_strategy as register
+
+    register(_strategy_class()())
+    _registered = True

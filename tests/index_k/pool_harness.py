@@ -1,0 +1,86 @@
+"""Build the real DeepSeek-V4 KV pool on CPU, the way a scheduler does.
+
+A real ``ServerArgs(device="cpu")`` is published with sglang's own
+``runtime_context.publish``, a real ``ModelConfig`` is read from a tiny DSV4
+``config.json`` (no weights), and upstream's ``KVCacheConfigurator.configure()``
+plans and allocates the pools. One thing is replaced: the free-memory probe,
+because the planner's budget must be fixed for a hand calculation and this
+machine's free memory moves with the other jobs on it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tiny_checkpoints import write_tiny_dsv4
+
+BUDGET_BYTES = 64 << 20
+NUM_LAYERS = 4
+
+
+def publish(model_dir: Path, model_impl: str, **extra):
+    from sglang.srt import runtime_context
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=str(model_dir), device="cpu", model_impl=model_impl,
+                      skip_tokenizer_init=True, page_size=256, max_running_requests=8,
+                      chunked_prefill_size=1024, kv_cache_dtype="fp8_e4m3", **extra)
+    runtime_context.publish(args, role="scheduler")
+    return args
+
+
+def configurator(model_dir: Path, model_impl: str, budget_bytes: int = BUDGET_BYTES):
+    """A published, ready ``KVCacheConfigurator`` whose memory probe answers ``budget_bytes``."""
+    from sglang.srt.configs.model_config import AttentionArch, ModelConfig
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.model_executor.model_runner_components.layer_setup import ModelLayerInfo
+    from sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
+        SpecAuxHiddenStateConfig,
+    )
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    class FixedBudgetConfigurator(KVCacheConfigurator):
+        # Replaced: the free-memory probe (see the module docstring).
+        def _profile_available_bytes(self, pre_model_load_memory):
+            return budget_bytes
+
+    args = publish(model_dir, model_impl)
+    model_config = ModelConfig.from_server_args(args)
+    return FixedBudgetConfigurator(
+        device="cpu", gpu_id=0, attn_dp_size=1, pp_size=1, pp_group=None, model=None,
+        model_config=model_config, server_args=args,
+        kv_cache_dtype=torch.float8_e4m3fn, kv_cache_dtype_str="fp8_e4m3",
+        model_dtype=torch.bfloat16, page_size=256, sliding_window_size=128,
+        spec_algorithm=SpeculativeAlgorithm.from_string(None), is_draft_worker=False,
+        post_capture_kv_active=False, spec_aux_config=SpecAuxHiddenStateConfig(),
+        is_hybrid_swa=model_config.is_hybrid_swa,
+        is_hybrid_swa_compress=model_config.is_hybrid_swa_compress,
+        use_mla_backend=model_config.attention_arch == AttentionArch.MLA,
+        layer_info=ModelLayerInfo(start_layer=0, end_layer=NUM_LAYERS, num_effective_layers=NUM_LAYERS),
+        forward_stream=None, req_to_token_pool=None, token_to_kv_pool_allocator=None,
+        memory_pool_config=None,
+    )
+
+
+def build(model_dir: Path, model_impl: str, budget_bytes: int = BUDGET_BYTES):
+    """Plan and allocate through ``configure()``; returns its ``KVCacheConfigResult``."""
+    return configurator(model_dir, model_impl, budget_bytes).configure(pre_model_load_memory=0)
+
+
+def tiny_checkpoint(tmp_dir: Path) -> Path:
+    return write_tiny_dsv4(tmp_dir / "tiny-dsv4", num_layers=NUM_LAYERS)
+
+
+def apply_index_k_hooks() -> None:
+    """Register this area's hooks and apply them with upstream's real HookRegistry, once."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from dsv4_sm120 import settings
+    from dsv4_sm120.index_k import hooks
+
+    if any(t.startswith("sglang.srt.mem_cache.kv_cache_configurator") for t in HookRegistry._patched):
+        return
+    hooks.register(settings.load())
+    HookRegistry.apply_hooks()
