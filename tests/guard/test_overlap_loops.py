@@ -1,0 +1,111 @@
+"""The REAL patched overlap PD loops of sglang 0.5.23 on 2 and 4 gloo ranks, without a model.
+
+See ``pd_loop_harness`` for exactly what is real and what is replaced (and why). The pytest process
+imports sglang once and loads the patched loops from a patched COPY of the pinned files; every
+group of ranks is forked from it and runs many scenarios on one gloo group.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import pd_loop_harness as H
+
+GUARD_MSG = "dsv4-sm120 collective guard"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def parent(tmp_path_factory):
+    H.setup_parent(str(tmp_path_factory.mktemp("patched_sglang")))
+
+
+def _check_completed(results: dict, world: int) -> dict:
+    """Every rank finished cleanly, no rank holds a request, every client got an answer."""
+    totals = {"scenarios": 0, "guard_aborts": 0}
+    for seed, per_rank in results.items():
+        if seed == "exits":
+            continue
+        totals["scenarios"] += 1
+        assert all(r is not None for r in per_rank), f"seed {seed}: a rank never answered (hang): {per_rank}"
+        bad = [(r.rank, r.status, r.detail) for r in per_rank if r.status != "ok"]
+        assert not bad, f"seed {seed}: {bad}"
+        for r in per_rank:
+            assert not r.leftovers, f"seed {seed}: rank {r.rank} still holds {r.leftovers}"
+        outcomes = per_rank[0].outcomes
+        for kind, message in outcomes.values():
+            assert kind in ("done", "abort")
+            if kind == "abort":
+                assert message, f"seed {seed}: an abort reached its client without a reason"
+                totals["guard_aborts"] += GUARD_MSG in message
+    return totals
+
+
+def _expected_seeds(results: dict, n: int) -> None:
+    got = sorted(k for k in results if k != "exits")
+    assert got == list(range(n)), f"only {len(got)}/{n} scenarios answered: the group stopped after {got[-1:]}"
+
+
+# --- without the fix: the incident hangs ---------------------------------------------------------
+@pytest.mark.parametrize("loop", ["prefill", "decode"])
+def test_unpatched_upstream_loop_hangs_when_one_rank_queue_empties(loop):
+    """Upstream's loop: rank 1 skips a poll that rank 0 enters. gloo's 4 s timeout turns the hang
+    into an error we can see; with NCCL/without a timeout it waits forever."""
+    res = H.run_group(2, [(H.one_sided_empty(loop, 2), "upstream")], timeout_s=4, wall_s=60)
+    statuses = [r.status if r else "no answer" for r in res[-1]]
+    assert "ok" not in statuses and "hang" in statuses, statuses
+
+
+def test_guard_switched_off_behaves_as_upstream_and_hangs(monkeypatch):
+    """DSV4_SM120_COLLECTIVE_GUARD=0 with the patch applied: the same hang as upstream."""
+    res = H.run_group(2, [(H.one_sided_empty("prefill", 2), "patched")], timeout_s=4, wall_s=60,
+                      env={"DSV4_SM120_COLLECTIVE_GUARD": "0"})
+    statuses = [r.status if r else "no answer" for r in res[-1]]
+    assert "ok" not in statuses and "hang" in statuses, statuses
+
+
+# --- with the fix ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("world", [2, 4])
+def test_guard_reconciles_the_incident(world):
+    """Same incident, patched loops: both loops finish, the requests the emptied rank lost are
+    aborted on the other ranks, and each client is told why."""
+    jobs = [(H.one_sided_empty("prefill", world), "patched")]
+    res = H.run_group(world, jobs, timeout_s=20, wall_s=180)
+    _check_completed(res, world)
+    outcomes = res[-1][0].outcomes
+    assert set(outcomes) == {"inc-r0", "inc-r1", "inc-r2"}
+    assert all(kind == "abort" and GUARD_MSG in msg for kind, msg in outcomes.values()), outcomes
+    assert all(r.counters["reconciled"] >= 1 for r in res[-1])
+
+
+@pytest.mark.parametrize("world,n", [(2, 16), (4, 6)])
+@pytest.mark.parametrize("loop", ["prefill", "decode"])
+def test_randomized_scenarios_never_hang(loop, world, n):
+    """Seeded random arrivals, per-rank bootstrap/transfer timings, real failures, and 1-3 injected
+    rank-local divergences per scenario: 0 hangs, every request completes or is aborted with a reason."""
+    res = H.run_group(world, [((seed, loop, world), "patched") for seed in range(n)], timeout_s=20, wall_s=240)
+    _expected_seeds(res, n)
+    totals = _check_completed(res, world)
+    assert totals["scenarios"] == n
+
+
+def test_unreconcilable_divergence_fails_fast_and_exits_nonzero():
+    """Batch state no queue edit can repair: every rank fails fast together, logs a diagnosis and
+    exits non-zero within 10 s (the guard's timer; the worker itself would sleep 60 s)."""
+    from dsv4_sm120.guard import loop_guard
+
+    res = H.run_group(2, [(H.batch_desync("prefill", 2), "patched")], timeout_s=20, wall_s=120)
+    per_rank = res[-2]
+    assert [r.status for r in per_rank] == ["failfast", "failfast"], per_rank
+    assert "batch state differs" in per_rank[0].detail
+    for rank, (code, seconds) in res["exits"].items():
+        assert code == loop_guard.EXIT_CODE, (rank, code)
+        assert seconds < 10, (rank, seconds)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loop,world,n", [("prefill", 2, 300), ("decode", 2, 300), ("prefill", 4, 200), ("decode", 4, 200)])
+def test_thousand_randomized_scenarios_never_hang(loop, world, n):
+    """1000 seeded scenarios in all (these four cases together), each reproducible from its seed."""
+    res = H.run_group(world, [((seed, loop, world), "patched") for seed in range(n)], timeout_s=30, wall_s=1800)
+    _expected_seeds(res, n)
+    assert _check_completed(res, world)["scenarios"] == n
