@@ -14,7 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dsv4_sm120.kernels import index_k_store, index_query, mqa_logits, page_checksum
+from dsv4_sm120.kernels import index_k_store, index_query, mqa_logits, page_checksum, page_copy
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, ROPE_DIM
 
 TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "sm_120": GPUTarget("cuda", 120, 32)}
@@ -56,6 +56,9 @@ KERNEL_SPECS = (
     KernelSpec("page_checksum", page_checksum._checksum_kernel,
                {"x_ptr": "*u8", "out_ptr": "*i64", "row_bytes": "i32", "stride_row": "i64"},
                {"BLOCK": page_checksum.BLOCK}),
+    KernelSpec("page_copy", page_copy._copy_pages_kernel,
+               {"src_ptr": "*i32", "dst_ptr": "*i32", "src_idx_ptr": "*i32", "dst_idx_ptr": "*i32"},
+               {"PAGE_WORDS": 4096, "BLOCK": page_copy.BLOCK}),
 )
 
 

@@ -1,0 +1,228 @@
+"""Every kernel against its torch reference, on the CPU through Triton's interpreter (small shapes).
+
+The interpreter's bf16 ``tl.dot`` is wrong on the CPU (Triton 3.8), so the
+logits kernel upcasts its exact bf16 operands to fp32 there (``FP32_DOT``);
+the products are the same, only the tensor-core path differs, which the H200
+run covers (bench/results/indexer_h200_*.json).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import D, PAGE, compress_plan, decode_plan, freqs_cis, heavy_tailed, logits_case, topk_sets
+
+
+def _gen(seed=0):
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+# --------------------------------------------------------------------------- store
+def _store_both(kern, kv, pages_pool, out_loc, **kw):
+    a = pages_pool.clone()
+    b = pages_pool.clone()
+    kern.index_k_store.store_index_k_bf16(kv, a, out_loc, **kw)
+    kern.index_k_store.store_index_k_bf16_ref(kv, b, out_loc, **kw)
+    return a, b
+
+
+def _assert_same_bf16(a, b):
+    # fp32 kernel vs float64 reference: equal after bf16 rounding except at rare ties
+    mismatched = (a.view(torch.int16) != b.view(torch.int16)) & ~(a.isnan() & b.isnan())
+    assert mismatched.float().mean() <= 1e-3
+    both = ~(a.isnan() | b.isnan())
+    assert torch.equal(a.isnan(), b.isnan())
+    diff = (a.float() - b.float()).abs()[both]
+    assert diff.max() <= 2.0**-7 * b.float()[both].abs().max()
+
+
+def test_store_rows_writes_exactly_the_addressed_slots(kern):
+    g = _gen(1)
+    n, pool = 40, 3
+    kv = heavy_tailed((n, D), g).to(torch.bfloat16)
+    slots = torch.randperm(pool * PAGE, generator=g)[:n]
+    slots[[3, 17]] = -1  # skipped
+    poison = torch.full((pool, PAGE, D), float("nan"), dtype=torch.bfloat16)
+    a, b = _store_both(kern, kv, poison, slots, norm_weight=1 + 0.1 * torch.randn(D, generator=g), norm_eps=1e-6,
+                       freqs=freqs_cis(512, g), positions=torch.randint(0, 512, (n,), generator=g))
+    _assert_same_bf16(a, b)
+    written = torch.zeros(pool * PAGE, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    flat = a.view(-1, D)
+    assert not flat[written].isnan().any(), "every addressed slot written"
+    assert flat[~written].isnan().all(), "nothing else touched"
+
+
+def test_store_extend_plan_follows_upstream_addressing(kern):
+    g = _gen(2)
+    # rows: (seq_len, ragged_id); position = seq_len - 4, slot = out_loc[ragged_id]; -1 = invalid row
+    plan_rows = [(4, 0), (8, 5), (-1, 1), (12, 2), (400, 7)]
+    out_loc = torch.tensor([10, 3, 64, -1, 0, 129, 5, 77], dtype=torch.int64)
+    kv = torch.randn(len(plan_rows), D, generator=g).to(torch.bfloat16)
+    poison = torch.full((3, PAGE, D), float("nan"), dtype=torch.bfloat16)
+    kw = dict(norm_weight=torch.ones(D), norm_eps=1e-6, freqs=freqs_cis(512, g), mode="extend",
+              plan=compress_plan(plan_rows))
+    a, b = _store_both(kern, kv, poison, out_loc, **kw)
+    _assert_same_bf16(a, b)
+    flat = a.view(-1, D)
+    # row 0 -> out_loc[0] = 10, row 1 -> out_loc[5] = 129, row 2 invalid, row 3 -> out_loc[2] = 64,
+    # row 4 -> out_loc[7] = 77
+    assert [int(s) for s in torch.nonzero(~flat.isnan().all(-1)).flatten()] == [10, 64, 77, 129]
+
+
+def test_store_decode_plan_skips_rows_between_boundaries(kern):
+    g = _gen(3)
+    seq = [4, 5, 8, 7, 12]
+    out_loc = torch.tensor([1, 2, 3, 4, 5], dtype=torch.int64)
+    kv = torch.randn(len(seq), D, generator=g).to(torch.bfloat16)
+    poison = torch.full((1, PAGE, D), float("nan"), dtype=torch.bfloat16)
+    a, b = _store_both(kern, kv, poison, out_loc, norm_weight=torch.ones(D), norm_eps=1e-6, freqs=freqs_cis(64, g),
+                       mode="decode", plan=decode_plan(seq))
+    _assert_same_bf16(a, b)
+    assert [int(s) for s in torch.nonzero(~a.view(-1, D).isnan().all(-1)).flatten()] == [1, 3, 5]
+
+
+def test_store_rejects_a_wrong_pool(kern):
+    kv = torch.zeros(2, D, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bf16 index-K pool"):
+        kern.index_k_store.store_index_k_bf16(kv, torch.zeros(2, 64, 132, dtype=torch.uint8), torch.zeros(2),
+                                              norm_weight=torch.ones(D), norm_eps=1e-6,
+                                              freqs=torch.zeros(8, 64), positions=torch.zeros(2))
+
+
+# --------------------------------------------------------------------------- query
+def test_query_rope_hadamard_matches_ref(kern):
+    g = _gen(4)
+    q = heavy_tailed((5, 16, D), g).to(torch.bfloat16)
+    w = torch.randn(5, 16, generator=g).to(torch.bfloat16)
+    pos = torch.tensor([0, 1, 63, 200, 511])
+    f = freqs_cis(512, g)
+    a, wa = kern.index_query.index_query_bf16(q, w, 0.0110485, f, pos)
+    b, wb = kern.index_query.index_query_bf16_ref(q, w, 0.0110485, f, pos)
+    _assert_same_bf16(a, b)
+    assert wa.shape == (5, 16, 1) and wa.dtype == torch.float32
+    torch.testing.assert_close(wa, wb)
+
+
+def test_hadamard_is_orthonormal_so_logits_are_preserved(kern):
+    h = kern._common.hadamard_matrix(128)
+    torch.testing.assert_close(h @ h.T, torch.eye(128, dtype=torch.float64))
+
+
+# --------------------------------------------------------------------------- logits
+LENS = [1, 63, 64, 65, 100, 511, 512, 513, 700]
+
+
+def _logits_both(kern, q, w, pages, sl, pt, max_len, **kw):
+    out = torch.full((q.shape[0], max_len), float("nan"))
+    kern.mqa_logits.bf16_paged_mqa_logits(q, pages, w, sl, pt, max_len, out=out, **kw)
+    ref = kern.mqa_logits.paged_mqa_logits_ref(q, pages, w, sl, pt, max_len, dtype=torch.float64)
+    return out, ref
+
+
+def _check_logits(out, ref, lens):
+    assert not out.isnan().any(), "every element written"
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(out)), "-inf exactly past each row's length"
+    assert ((out[fin] - ref[fin]).norm() / ref[fin].norm()) < 1e-5
+    assert topk_sets(out, lens) == topk_sets(ref, lens)
+
+
+@pytest.mark.parametrize("block_k,tiles", [(64, 2), (128, 1), (64, None)])
+def test_logits_ragged_lengths_and_page_boundaries(kern, block_k, tiles):
+    q, w, pages, sl, pt = logits_case(LENS, 16, _gen(5))
+    out, ref = _logits_both(kern, q, w, pages, sl, pt, 704, block_k=block_k, tiles_per_prog=tiles)
+    _check_logits(out, ref, LENS)
+
+
+def test_logits_width_not_a_multiple_of_the_page(kern):
+    lens = [5, 130]
+    q, w, pages, sl, pt = logits_case(lens, 16, _gen(6))
+    out, ref = _logits_both(kern, q, w, pages, sl, pt, 131)
+    _check_logits(out, ref, lens)
+
+
+def test_logits_64k_plus_keys(kern):
+    lens = [65601]
+    q, w, pages, sl, pt = logits_case(lens, 16, _gen(7), extra_pages=0)
+    out, ref = _logits_both(kern, q, w, pages, sl, pt, 65601, block_k=128)
+    _check_logits(out, ref, lens)
+
+
+def test_logits_top512_on_heavy_tailed_data(kern):
+    lens = [4096, 2000]
+    q, w, pages, sl, pt = logits_case(lens, 64, _gen(8), heavy=True)
+    out, ref = _logits_both(kern, q, w, pages, sl, pt, 4096)
+    for a, b in zip(topk_sets(out, lens), topk_sets(ref, lens)):
+        assert len(a & b) / len(b) >= 0.995
+
+
+def test_logits_accepts_upstream_shapes(kern):
+    # upstream passes q [B, 1, H, D], weights [B, H], seq_lens [B, 1]
+    q, w, pages, sl, pt = logits_case([70, 9], 16, _gen(9))
+    a = kern.mqa_logits.bf16_paged_mqa_logits(q.unsqueeze(1), pages, w, sl.unsqueeze(1), pt, 80)
+    b = kern.mqa_logits.bf16_paged_mqa_logits(q, pages, w.unsqueeze(-1), sl, pt, 80)
+    assert torch.equal(a, b)
+
+
+def test_logits_bad_input(kern):
+    q, w, pages, sl, pt = logits_case([70], 16, _gen(10))
+    with pytest.raises(ValueError, match="q must be bf16"):
+        kern.mqa_logits.bf16_paged_mqa_logits(q.float(), pages, w, sl, pt, 80)
+    with pytest.raises(ValueError, match="must match"):
+        kern.mqa_logits.bf16_paged_mqa_logits(q, pages, w, torch.tensor([1, 2]), pt, 80)
+
+
+# --------------------------------------------------------------------------- checksum and copy
+@pytest.mark.parametrize("row_bytes", [1, 2047, 2048, 2049, 16384])
+def test_checksum_kernel_matches_ref_bit_for_bit(kern, row_bytes):
+    g = _gen(11)
+    rows = torch.randint(0, 256, (4, row_bytes), dtype=torch.uint8, generator=g)
+    assert torch.equal(kern.page_checksum.page_checksum_triton(rows), kern.page_checksum.page_checksum_ref(rows))
+
+
+def test_checksum_catches_flips_swaps_and_stale_slots(kern):
+    g = _gen(12)
+    page = torch.randint(0, 256, (16384,), dtype=torch.uint8, generator=g)
+    variants = []
+    for pos in (0, 1, 8191, 16383):  # one byte
+        v = page.clone()
+        v[pos] ^= 0x01
+        variants.append(v)
+    v = page.clone()
+    a, b = 10, 9000
+    if v[a] == v[b]:
+        v[a] ^= 0x80
+    v[a], v[b] = page[b], page[a]
+    variants.append(v)  # swap
+    v = page.clone()
+    v[256:512] = torch.roll(page[256:512], 1)
+    variants.append(v)  # a stale 256-byte slot
+    rows = torch.stack([page] + variants)
+    sums = kern.page_checksum.page_checksum_triton(rows)
+    assert len(set(sums.tolist())) == len(rows)
+
+
+def test_checksum_on_cpu_uses_the_reference(kern):
+    rows = torch.randint(0, 256, (3, 300), dtype=torch.uint8)
+    assert torch.equal(kern.page_checksum.page_checksum(rows), kern.page_checksum.page_checksum_ref(rows))
+    with pytest.raises(ValueError, match="uint8 rows"):
+        kern.page_checksum.page_checksum(rows.float())
+
+
+def test_page_copy_kernel_matches_ref(kern):
+    g = _gen(13)
+    src = torch.randn(6, PAGE, D, generator=g).to(torch.bfloat16)
+    a, b = torch.zeros_like(src), torch.zeros_like(src)
+    si = torch.tensor([3, 1, 0], dtype=torch.int32)
+    di = torch.tensor([0, 5, 2], dtype=torch.int32)
+    # the CPU pools are not pinned: call the kernel directly (the wrapper insists on pinned host memory)
+    pc = kern.page_copy
+    pc._copy_pages_kernel[(3, 4)](pc._words(src), pc._words(a), si, di, PAGE_WORDS=4096, BLOCK=pc.BLOCK)
+    pc.copy_pages_ref(src, b, si, di)
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="pinned"):
+        pc.copy_pages(src, a, si, di)
