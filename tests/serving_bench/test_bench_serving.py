@@ -80,3 +80,24 @@ def test_runs_upstream_against_the_fake_server(server, tiny_tokenizer, tmp_path,
     assert record["switches_in_force"]["DSV4_SM120_INDEX_K_CHECKSUM"] == "1"
     assert record["launch_flags"] == ["python -m sglang.launch_server --model-impl dsv4 --disaggregation-mode prefill"]
     assert printed["summary"][0]["completed"] == 4 and printed["file"] == str(path)
+
+
+@pytest.mark.slow
+def test_each_level_is_one_upstream_run_and_a_failed_level_keeps_upstreams_words(server, tiny_tokenizer, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    common = ["--base-url", server.url, "--model", "fake-dsv4", "--num-prompts", "6", "--dataset-name", "random-ids",
+              "--random-input-len", "8", "--random-output-len", "3", "--out-dir", str(tmp_path)]  # fmt: skip
+    server.reset(token_delay_s=0.01)
+    assert serving.main([*common, "--tokenizer", tiny_tokenizer, "--concurrency", "1", "3", "--tag", "two"]) == 0
+    [path] = tmp_path.glob("serving_*_two.json")
+    record = json.loads(path.read_text())
+    assert [lv["result"]["max_concurrency"] for lv in record["levels"]] == [1, 3]
+    assert [row["completed"] for row in record["summary"]] == [6, 6]
+    assert server.max_inflight == 3
+
+    missing = str(tmp_path / "no-such-tokenizer")
+    assert serving.main([*common, "--tokenizer", missing, "--concurrency", "2", "--tag", "bad"]) == 1
+    [level] = json.loads(next(tmp_path.glob("serving_*_bad.json")).read_text())["levels"]
+    assert level["result"] is None and level["returncode"] != 0
+    assert "no-such-tokenizer" in level["error"]
+    capsys.readouterr()
