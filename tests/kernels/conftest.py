@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -30,3 +31,22 @@ def interpreted_kernels() -> SimpleNamespace:
 @pytest.fixture(scope="session")
 def kern():
     return interpreted_kernels()
+
+
+@pytest.fixture(scope="session")
+def kv(tmp_path_factory, kern):
+    """The real DSV4 pool with bf16 index keys, built on the CPU by the memory area's harness."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "index_k"))
+    import pool_harness
+
+    pool_harness.apply_index_k_hooks()
+    ckpt = pool_harness.tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    old = os.environ.get("DSV4_SM120_INDEX_K_DTYPE")
+    os.environ["DSV4_SM120_INDEX_K_DTYPE"] = "bf16"
+    try:
+        return pool_harness.build(ckpt, "dsv4").token_to_kv_pool
+    finally:
+        if old is None:
+            os.environ.pop("DSV4_SM120_INDEX_K_DTYPE")
+        else:
+            os.environ["DSV4_SM120_INDEX_K_DTYPE"] = old

@@ -2,40 +2,17 @@
 
 Write through one, read through the other: the real DSV4 pool is built by
 upstream's ``configure()`` on the CPU (the memory area's harness,
-tests/index_k/pool_harness.py), with ``--model-impl dsv4`` and bf16 index keys;
+tests/index_k/pool_harness.py, fixture ``kv`` in conftest.py), with ``--model-impl dsv4`` and bf16 index keys;
 the kernels run through Triton's interpreter (no GPU here).
 """
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
-import pytest
 import torch
 
 from helpers import D, PAGE, freqs_cis
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "index_k"))
-import pool_harness  # noqa: E402
-
 C4_LAYER = 0  # tiny checkpoint: compress ratios [4, 128, 4, 128]
-
-
-@pytest.fixture(scope="module")
-def kv(tmp_path_factory, kern):
-    pool_harness.apply_index_k_hooks()
-    ckpt = pool_harness.tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
-    old = os.environ.get("DSV4_SM120_INDEX_K_DTYPE")
-    os.environ["DSV4_SM120_INDEX_K_DTYPE"] = "bf16"
-    try:
-        return pool_harness.build(ckpt, "dsv4").token_to_kv_pool
-    finally:
-        if old is None:
-            os.environ.pop("DSV4_SM120_INDEX_K_DTYPE")
-        else:
-            os.environ["DSV4_SM120_INDEX_K_DTYPE"] = old
 
 
 def test_kernel_constants_are_the_pool_contract(kern):

@@ -4,12 +4,168 @@ A subclass of upstream's ``DeepseekV4ForCausalLM`` so that everything upstream
 keys on the checkpoint's architecture (``is_deepseek_v4``, the DSV4 KV pool and
 planner, PD and HiCache wiring) still applies; the package's index-key changes
 hang off this class and the pools built for it.
+
+With bf16 index keys (``DSV4_SM120_INDEX_K_DTYPE=bf16``, the default) every C4
+lightning indexer of the model becomes a :class:`BF16C4Indexer`: its keys are
+stored, its queries rotated and its logits scored by the package's Triton
+kernels (``dsv4_sm120.kernels``), which run on sm_120 (no DeepGEMM there) and
+sm_90 alike, against the bf16 pool's ``index_k_pages_bf16``. Upstream's
+compression kernel, metadata and top-k transforms (``--dsa-topk-backend``) are
+used as they are. With ``fp8`` the model is upstream's, indexer included.
 """
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
+from sglang.srt.layers.attention.dsv4 import indexer as upstream_indexer
+from sglang.srt.layers.attention.dsv4.indexer import C4Indexer
 from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+from dsv4_sm120 import settings
+from dsv4_sm120.kernels.index_k_store import store_index_k_bf16
+from dsv4_sm120.kernels.index_query import index_query_bf16
+from dsv4_sm120.kernels.mqa_logits import bf16_paged_mqa_logits
+
+C4_RATIO = 4
+
+
+class BF16IndexerUnsupported(RuntimeError):
+    """A feature upstream's fp8 indexer has that the bf16 indexer does not carry."""
+
+
+class BF16C4Indexer(C4Indexer):
+    """C4 indexer over bf16 index keys; the weights and modules are upstream's, unchanged."""
+
+    def compute_q(self, q_lora, positions, weight, q_lora_quant=None):
+        """bf16 query (RoPE + Hadamard, no fp8) and head weights scaled by ``weight_scale``, fp32 [T, H, 1]."""
+        q, _ = self.wq_b(q_lora if q_lora_quant is None else q_lora_quant)
+        q = q.view(-1, self.n_local_heads, self.head_dim)
+        return index_query_bf16(q, weight, self.weight_scale, self.freqs_cis, positions)
+
+    def forward(self, x, q_lora, forward_batch, attn_backend, enable_multi_stream=False, q_lora_ready=None,
+                skip_compressor=False, q_lora_quant=None):
+        if forward_batch.forward_mode.is_idle():
+            return
+        if q_lora_ready is not None:  # produced on another stream; everything here runs on the current one
+            torch.cuda.current_stream().wait_event(q_lora_ready)
+        if not skip_compressor:
+            store_index_keys(self, attn_backend, x, forward_batch)
+        select_topk(self, attn_backend, x, q_lora, q_lora_quant)
+
+
+def store_index_keys(indexer: C4Indexer, backend, x: torch.Tensor, forward_batch) -> None:
+    """Compress this step's indexer keys (upstream's kernel) and store them bf16 (RMSNorm, RoPE, Hadamard)."""
+    from sglang.kernels.ops.attention.dsv4.compress import compress_forward
+    from sglang.srt.layers.attention.dsv4.compressor_v2 import is_overlap_compress
+
+    comp = indexer.compressor
+    kv_score_input = comp.compute_kv_score(x, forward_batch)
+    state = comp.get_state_pool(backend).kv_score_buffer.kv_score
+    coff = 2 if is_overlap_compress(C4_RATIO) else 1
+    plan = backend._get_paged_compress_metadata(C4_RATIO)
+    kv = compress_forward(
+        kv_score_buffer=state.view(-1, C4_RATIO, 2 * comp.head_dim * coff),
+        kv_score_input=kv_score_input,
+        ape=comp.ape.view(-1, comp.head_dim),
+        plan=plan,
+        head_dim=comp.head_dim,
+        compress_ratio=C4_RATIO,
+    )
+    store_index_k_bf16(
+        kv,
+        backend.token_to_kv_pool.index_k_pages_bf16(indexer.layer_id),  # behind the HiCache load fence
+        backend._get_out_loc(C4_RATIO),
+        norm_weight=comp.norm.weight,
+        norm_eps=comp.norm.variance_epsilon,
+        freqs=comp.freqs_cis,
+        mode="decode" if plan.is_decode else "extend",
+        plan=plan[1],
+        compress_ratio=C4_RATIO,
+    )
+
+
+def _rows(tensor: torch.Tensor, rows: int, value) -> torch.Tensor:
+    """Metadata cut or padded to the query rows, as upstream's indexer does (a view when cut)."""
+    if tensor.shape[0] >= rows:
+        return tensor[:rows]
+    return F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, rows - tensor.shape[0]), value=value)
+
+
+def select_topk(indexer: C4Indexer, backend, x, q_lora, q_lora_quant=None) -> None:
+    """Score every query row against its request's bf16 keys and write the top-k pool slots upstream reads."""
+    if getattr(backend, "hisparse_coordinator", None) is not None:
+        raise BF16IndexerUnsupported(
+            "hierarchical sparse attention (hisparse) is not supported with bf16 index keys; "
+            "set DSV4_SM120_INDEX_K_DTYPE=fp8 to use it"
+        )
+    meta = backend.forward_metadata
+    im, core = meta.indexer_metadata, meta.core_metadata
+    positions = core.positions
+    n = min(x.shape[0], q_lora.shape[0], positions.shape[0])
+    if q_lora.shape[0] != n:
+        q_lora, q_lora_quant = q_lora[:n], None
+    weights = indexer.compute_weights(x[:n], skip_scale=True)
+    q, weights = indexer.compute_q(q_lora, positions[:n], weights, q_lora_quant)
+    rows = q.shape[0]
+    seq_lens = _rows(im.compressed_seq_lens, rows, 1).reshape(-1)
+    page_table = _rows(im.page_table, rows, 0)
+    out_pages = _rows(core.c4_sparse_page_indices, rows, -1)
+    capturer = upstream_indexer.get_global_indexer_capturer()
+    raw = core.c4_sparse_raw_indices
+    if raw is None and capturer is not None:
+        raw = torch.empty_like(out_pages)
+    pages = backend.token_to_kv_pool.index_k_pages_bf16(indexer.layer_id)  # behind the HiCache load fence
+    step = im.rows_per_chunk or rows
+    chunk_plans = getattr(im, "topk_metadata_chunks", None)
+    for i, start in enumerate(range(0, rows, max(1, step))):
+        r = slice(start, min(rows, start + step))
+        logits = bf16_paged_mqa_logits(q[r], pages, weights[r], seq_lens[r], page_table[r],
+                                       im.max_compressed_seq_len)
+        plan = chunk_plans[i] if chunk_plans is not None and step < rows else None
+        run_topk_transform(backend, im, logits, seq_lens[r], page_table[r], out_pages[r],
+                           None if raw is None else raw[r], whole=step >= rows, plan=plan)
+        del logits
+    if capturer is not None:
+        layer = backend.token_to_kv_pool.layer_mapping[indexer.layer_id].compress_layer_id
+        capturer.capture(layer, raw)
+
+
+def run_topk_transform(backend, im, logits, seq_lens, page_table, out_pages, raw, *, whole: bool, plan=None):
+    """Upstream's top-k transform for the configured ``--dsa-topk-backend``, on fp32 logits."""
+    kind = backend.dsa_topk_backend
+    page_size = im.compressed_page_size
+    if kind.is_torch():
+        upstream_indexer.topk_transform_pytorch_vectorized(logits, seq_lens, page_table, out_pages, page_size, raw)
+    elif kind.is_flashinfer():
+        backend.flashinfer_topk_transform(logits, seq_lens, page_table, out_pages, page_size, raw)
+    elif kind.should_use_topk_v2():
+        if plan is None:
+            plan = im.topk_metadata if whole else upstream_indexer.plan_topk_v2(seq_lens)
+        upstream_indexer.topk_transform_paged_v2(logits, seq_lens, page_table, out_pages, page_size, plan, raw)
+    else:
+        upstream_indexer.topk_transform_paged(logits, seq_lens, page_table, out_pages, page_size, raw)
+
+
+def use_bf16_indexers(model: torch.nn.Module) -> int:
+    """Switch every upstream C4 indexer in ``model`` to :class:`BF16C4Indexer`; returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) is C4Indexer:
+            if module.use_fp4_indexer:
+                raise BF16IndexerUnsupported(
+                    "--enable-deepseek-v4-fp4-indexer and bf16 index keys exclude each other; "
+                    "drop the flag or set DSV4_SM120_INDEX_K_DTYPE=fp8"
+                )
+            module.__class__ = BF16C4Indexer
+            count += 1
+    return count
 
 
 class DeepseekV4ForCausalLMSM120(DeepseekV4ForCausalLM):
     """DeepSeek-V4 with the dsv4-sm120 indexer path (bf16 index keys when configured)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.index_k_dtype = settings.load().index_k_dtype
+        self.bf16_indexers = use_bf16_indexers(self) if self.index_k_dtype == "bf16" else 0

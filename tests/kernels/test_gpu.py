@@ -1,0 +1,66 @@
+"""The kernels on a real GPU at serving shapes (``-m gpu``; the H200 run of bench/ records the same checks).
+
+Run on a CUDA machine: ``python -m pytest tests/kernels/test_gpu.py -m gpu -q``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+PAGE, D, H = 64, 128, 64
+
+
+def _case(lens, gen, max_len):
+    n_pages_row = -(-max_len // PAGE)
+    pool = len(lens) * n_pages_row + 5
+    pages = torch.randn(pool, PAGE, D, generator=gen, device="cuda").to(torch.bfloat16)
+    q = torch.randn(len(lens), H, D, generator=gen, device="cuda").to(torch.bfloat16)
+    w = torch.randn(len(lens), H, generator=gen, device="cuda")
+    pt = torch.randperm(pool, generator=gen, device="cuda")[: len(lens) * n_pages_row].view(len(lens), -1)
+    return q, w, pages, torch.tensor(lens, dtype=torch.int32, device="cuda"), pt.to(torch.int32)
+
+
+def test_logits_decode_shape_matches_fp32_reference():
+    from dsv4_sm120.kernels.mqa_logits import bf16_paged_mqa_logits, paged_mqa_logits_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lens = [32768] * 8 + [1, 511, 513, 70001]
+    q, w, pages, sl, pt = _case(lens, gen, 70016)
+    out = torch.full((len(lens), 70016), float("nan"), device="cuda")
+    bf16_paged_mqa_logits(q, pages, w, sl, pt, 70016, out=out)
+    ref = paged_mqa_logits_ref(q, pages, w, sl, pt, 70016, rows_per_chunk=2)
+    assert not out.isnan().any()
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(out))
+    assert ((out[fin] - ref[fin]).norm() / ref[fin].norm()) < 1e-4
+    for r, n in enumerate(lens):
+        k = min(512, n)
+        a = set(torch.topk(out[r, :n], k).indices.tolist())
+        b = set(torch.topk(ref[r, :n], k).indices.tolist())
+        assert len(a & b) / k >= 0.995
+
+
+def test_checksum_kernel_is_bitwise_the_reference():
+    from dsv4_sm120.kernels.page_checksum import page_checksum, page_checksum_ref
+
+    rows = torch.randint(0, 256, (4096, 16384), dtype=torch.uint8, device="cuda")
+    assert torch.equal(page_checksum(rows), page_checksum_ref(rows))
+
+
+def test_page_copy_between_pinned_host_and_device():
+    from dsv4_sm120.kernels.page_copy import copy_pages
+
+    host = torch.randn(256, PAGE, D).to(torch.bfloat16).pin_memory()
+    dev = torch.zeros(512, PAGE, D, dtype=torch.bfloat16, device="cuda")
+    src = torch.randperm(256, device="cuda")[:100].to(torch.int32)
+    dst = torch.randperm(512, device="cuda")[:100].to(torch.int32)
+    copy_pages(host, dev, src, dst)
+    torch.cuda.synchronize()
+    assert torch.equal(dev[dst.long()].cpu(), host[src.long().cpu()])
+    back = torch.zeros(256, PAGE, D, dtype=torch.bfloat16).pin_memory()
+    copy_pages(dev, back, dst, src)
+    torch.cuda.synchronize()
+    assert torch.equal(back[src.long().cpu()], host[src.long().cpu()])

@@ -1,0 +1,158 @@
+"""The package's model class wires the bf16 kernels into the C4 indexer.
+
+Real parts: the DSV4 pool with bf16 keys (upstream's configure() on the CPU),
+upstream's ``PagedIndexerMetadata``, ``DSATopKBackend`` and its torch top-k
+transform, upstream's ``CompressorDecodePlan``, and the Triton kernels (CPU
+interpreter). Replaced, because they cannot run here: the indexer's linear
+layers (a real ``C4Indexer`` needs a published model runtime and weights; the
+stand-ins keep the ``(out, bias)`` call contract), the attention backend object
+(only the attributes the indexer reads), and upstream's ``compress_forward``
+(a CUDA JIT kernel; the stand-in returns given compressed rows).
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import D, PAGE, decode_plan, freqs_cis
+
+C4_LAYER = 0
+HEADS = 16
+
+
+class _Linear(torch.nn.Module):
+    """Stand-in for sglang's ReplicatedLinear: returns (x @ W^T, None)."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.w = w
+
+    def forward(self, x):
+        return (x.float() @ self.w.float().T).to(torch.bfloat16), None
+
+
+def _indexer(cls, gen, use_fp4=False):
+    ind = object.__new__(cls)
+    torch.nn.Module.__init__(ind)
+    ind.layer_id, ind.n_heads, ind.n_local_heads, ind.head_dim, ind.index_topk = C4_LAYER, HEADS, HEADS, D, 512
+    ind.use_fp4_indexer = use_fp4
+    ind.weight_scale = D**-0.5 * HEADS**-0.5
+    ind.freqs_cis = freqs_cis(4096, gen)
+    ind.wq_b = _Linear(torch.randn(HEADS * D, 32, generator=gen) / 6)
+    ind.weights_proj = _Linear(torch.randn(HEADS, 48, generator=gen))
+    return ind
+
+
+@pytest.fixture
+def env_torch_logits():
+    # PagedIndexerMetadata builds DeepGEMM schedules unless upstream's torch-logits switch is on
+    old = os.environ.get("SGLANG_FP8_PAGED_MQA_LOGITS_TORCH")
+    os.environ["SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"] = "1"
+    yield
+    if old is None:
+        os.environ.pop("SGLANG_FP8_PAGED_MQA_LOGITS_TORCH")
+    else:
+        os.environ["SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"] = old
+
+
+def test_model_switches_every_c4_indexer(kern):
+    from sglang.srt.layers.attention.dsv4.indexer import C4Indexer
+
+    from dsv4_sm120.model.deepseek_v4 import BF16C4Indexer, BF16IndexerUnsupported, use_bf16_indexers
+
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.ModuleList([_indexer(C4Indexer, gen), torch.nn.Linear(2, 2), _indexer(C4Indexer, gen)])
+    assert use_bf16_indexers(model) == 2
+    assert all(type(m) is BF16C4Indexer for m in (model[0], model[2]))
+    with pytest.raises(BF16IndexerUnsupported, match="fp4"):
+        use_bf16_indexers(torch.nn.ModuleList([_indexer(C4Indexer, gen, use_fp4=True)]))
+
+
+def test_bf16_indexer_selects_the_reference_top512(kv, kern, env_torch_logits):
+    from sglang.srt.layers.attention.dsa.dsa_topk_backend import DSATopKBackend
+    from sglang.srt.layers.attention.dsv4 import indexer as upstream_indexer
+    from sglang.srt.layers.attention.dsv4.metadata import PagedIndexerMetadata
+
+    from dsv4_sm120.model.deepseek_v4 import BF16C4Indexer
+
+    gen = torch.Generator().manual_seed(1)
+    ind = _indexer(BF16C4Indexer, gen)
+    pages = kv.index_k_pages_bf16(C4_LAYER)
+    # two decode rows: 700 compressed keys (a real top-512) and 300 (fewer than 512)
+    lens = [700, 300]
+    table = torch.tensor([[5, 1, 9, 2, 7, 0, 3, 4, 6, 8, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]],
+                         dtype=torch.int32)
+    assert int(table.max()) < pages.shape[0]
+    for r, n in enumerate(lens):
+        pos = torch.arange(n)
+        slots = table[r].long()[pos // PAGE] * PAGE + pos % PAGE
+        kv.set_index_k_bf16(C4_LAYER, slots, torch.randn(n, D, generator=gen).to(torch.bfloat16))
+    im = PagedIndexerMetadata(page_size=256, compressed_page_size=PAGE, page_table=table,
+                              compressed_seq_lens=torch.tensor(lens, dtype=torch.int32), use_topk_v2=False)
+    out_pages = torch.full((2, 512), -7, dtype=torch.int32)
+    core = SimpleNamespace(positions=torch.tensor([2800, 1200]), c4_sparse_page_indices=out_pages,
+                           c4_sparse_raw_indices=None)
+    backend = SimpleNamespace(token_to_kv_pool=kv, hisparse_coordinator=None, dsa_topk_backend=DSATopKBackend.TORCH,
+                              forward_metadata=SimpleNamespace(indexer_metadata=im, core_metadata=core))
+    x = torch.randn(2, 48, generator=gen).to(torch.bfloat16)
+    q_lora = torch.randn(2, 32, generator=gen).to(torch.bfloat16)
+    fb = SimpleNamespace(forward_mode=SimpleNamespace(is_idle=lambda: False))
+    old = upstream_indexer.get_global_indexer_capturer
+    upstream_indexer.get_global_indexer_capturer = lambda: None  # no runtime resources published in this process
+    try:
+        ind.forward(x, q_lora, fb, backend, skip_compressor=True)
+    finally:
+        upstream_indexer.get_global_indexer_capturer = old
+
+    # reference: float64 scores from the same bf16 query and keys, top-512 per row, mapped to pool slots
+    w, _ = ind.weights_proj(x)
+    q, wq = kern.index_query.index_query_bf16_ref(ind.wq_b(q_lora)[0].view(2, HEADS, D), w, ind.weight_scale,
+                                                  ind.freqs_cis, core.positions)
+    ref = kern.mqa_logits.paged_mqa_logits_ref(q, pages, wq, im.compressed_seq_lens, table, 768,
+                                               dtype=torch.float64)
+    for r, n in enumerate(lens):
+        k = min(512, n)
+        raw = torch.topk(ref[r, :n], k).indices
+        want = set((table[r].long()[raw // PAGE] * PAGE + raw % PAGE).tolist())
+        got = out_pages[r]
+        assert set(got[:k].tolist()) == want
+        assert (got[k:] == -1).all()
+
+
+def test_bf16_store_path_writes_the_decode_plan_slots(kv, kern, monkeypatch):
+    from sglang.kernels.ops.attention.dsv4 import compress as upstream_compress
+    from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan
+
+    from dsv4_sm120.model.deepseek_v4 import BF16C4Indexer, store_index_keys
+
+    gen = torch.Generator().manual_seed(2)
+    ind = _indexer(BF16C4Indexer, gen)
+    seq = [8, 9, 12]  # rows 0 and 2 close a group of 4 tokens; row 1 does not
+    out_loc = torch.tensor([3 * PAGE + 1, 3 * PAGE + 2, 4 * PAGE + 63], dtype=torch.int64)
+    compressed = torch.randn(3, D, generator=gen).to(torch.bfloat16)
+    monkeypatch.setattr(upstream_compress, "compress_forward", lambda **kw: compressed)
+    comp = SimpleNamespace(
+        head_dim=D, ape=torch.zeros(4, 2 * D), freqs_cis=ind.freqs_cis,
+        norm=SimpleNamespace(weight=1 + 0.1 * torch.randn(D, generator=gen), variance_epsilon=1e-6),
+        compute_kv_score=lambda x, fb: x,
+        get_state_pool=lambda backend: SimpleNamespace(kv_score_buffer=SimpleNamespace(kv_score=torch.zeros(8, 4, 512))),
+    )
+    ind.compressor = comp
+    plan = CompressorDecodePlan(4, decode_plan(seq))
+    backend = SimpleNamespace(token_to_kv_pool=kv, _get_paged_compress_metadata=lambda ratio: plan,
+                              _get_out_loc=lambda ratio: out_loc)
+    pages = kv.index_k_pages_bf16(C4_LAYER)
+    pages[3:5] = float("nan")
+    store_index_keys(ind, backend, torch.zeros(3, 8), None)
+    expect = torch.full((5, PAGE, D), float("nan"), dtype=torch.bfloat16)
+    kern.index_k_store.store_index_k_bf16_ref(compressed, expect, out_loc, norm_weight=comp.norm.weight,
+                                              norm_eps=1e-6, freqs=ind.freqs_cis, mode="decode",
+                                              plan=decode_plan(seq))
+    flat, want = pages.view(-1, D), expect.view(-1, D)
+    for slot in (3 * PAGE + 1, 4 * PAGE + 63):
+        assert torch.equal(flat[slot], want[slot])
+    assert flat[3 * PAGE + 2].isnan().all(), "a row that closes no group is not stored"
