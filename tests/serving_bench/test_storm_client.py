@@ -13,23 +13,27 @@ def _storm(server, capsys, *extra: str) -> tuple[int, dict]:
 
 
 def test_healthy_server_recovers_and_every_session_was_cut_mid_stream(server, capsys):
-    server.reset(token_delay_s=0.01)
+    server.reset(token_delay_s=0.05)
     rc, out = _storm(server, capsys, "--sessions", "40", "--cancel-after", "2", "--deadline", "5", "--probe-interval", "10")
     assert rc == 0 and out["verdict"] == "healthy"
     [r] = out["rounds"]
-    assert r["streaming_at_cancel"] == 40 and r["finished_before_cancel"] == 0
+    # Every session was in flight at the cancel (on a loaded machine a few may still wait for a first frame).
+    assert r["streaming_at_cancel"] + r["waiting_at_cancel"] == 40 and r["streaming_at_cancel"] > 0
+    assert r["finished_before_cancel"] == r["failed_before_cancel"] == 0
     assert 0 < out["recovery_s"] < 5
-    # The cancel closed every connection, as a killed agent does: the server saw 40 cut streams
-    # (one fresh request only: the next would have been sent 10 s later).
-    assert server.aborts == 40
+    # The cancel closed every connection, as a killed agent does: the server saw each stream it had
+    # started cut (one fresh request only: the next would have been sent 10 s later, so none of ours).
+    assert r["streaming_at_cancel"] <= server.aborts <= 40
     assert out["switches_in_force"]["DSV4_SM120_NIXL_HARDENING"] in ("0", "1")
 
 
 def test_server_that_never_answers_after_the_storm_is_wedged(server, capsys):
-    server.reset(token_delay_s=0.01, wedge_after_aborts=20)
-    rc, out = _storm(server, capsys, "--sessions", "40", "--cancel-after", "0.5", "--deadline", "2")
+    server.reset(token_delay_s=0.05, wedge_after_aborts=20)
+    rc, out = _storm(server, capsys, "--sessions", "40", "--cancel-after", "2", "--deadline", "3")
     assert rc == 1 and out["verdict"] == "wedged"
     assert out["recovery_s"] is None and out["rounds"][0]["recovery_s"] is None
+    # The fake really was wedged by the storm, and the fresh requests reached it and hung there.
+    assert server.aborts >= 20
     assert out["rounds"][0]["probes_sent"] >= 2 and server.hung >= 2
 
 
@@ -49,7 +53,7 @@ def test_server_wedged_before_the_storm_is_reported_as_such(server, capsys):
 
 
 def test_rounds_stop_at_the_first_wedge(server, capsys):
-    server.reset(token_delay_s=0.01, wedge_after_aborts=15)
+    server.reset(token_delay_s=0.05, wedge_after_aborts=15)
     rc, out = _storm(server, capsys, "--sessions", "10", "--cancel-after", "1", "--deadline", "1.5", "--rounds", "3")
     assert rc == 1
     assert [r["recovery_s"] is None for r in out["rounds"]] == [False, True]

@@ -62,6 +62,15 @@ def _merge_tool_deltas(partial: dict[int, dict], deltas: list[dict]) -> None:
         slot["arguments"] += fn.get("arguments") or ""
 
 
+async def _lines(resp: aiohttp.ClientResponse):
+    """The response body line by line; a line over aiohttp's buffer limit is a ChatError, not a crash."""
+    try:
+        async for raw in resp.content:
+            yield raw
+    except ValueError as exc:
+        raise ChatError(f"stream line too long for the client buffer: {exc}") from None
+
+
 async def chat(
     session: aiohttp.ClientSession,
     base_url: str,
@@ -82,7 +91,10 @@ async def chat(
             body = (await resp.text())[:500]
             raise ChatError(f"HTTP {resp.status}: {body}")
         if not payload.get("stream"):
-            data = await resp.json(content_type=None)
+            try:
+                data = await resp.json(content_type=None)
+            except ValueError as exc:  # not JSON at all
+                raise ChatError(f"unparsable reply body: {exc}") from None
             choice = (data.get("choices") or [{}])[0]
             msg = choice.get("message") or {}
             reply.content = msg.get("content") or ""
@@ -97,7 +109,7 @@ async def chat(
 
         partial: dict[int, dict] = {}
         done = False
-        async for raw in resp.content:
+        async for raw in _lines(resp):
             line = raw.decode("utf-8", "replace").strip()
             if not line.startswith("data:"):
                 continue  # blank separators, SSE comments and keep-alives
