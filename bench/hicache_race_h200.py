@@ -232,6 +232,16 @@ def bandwidth(args):
     out["page_runs_d2h_ms"] = g.median_ms(lambda: runs(False))
     cs_out = torch.empty(n, dtype=torch.int64, device="cuda")
     out["checksum_ms"] = g.median_ms(lambda: page_checksum(rows(dev[:n]), out=cs_out))
+    out["checksum_gbps"] = n * PAGE_BYTES / out["checksum_ms"] / 1e6
+    from dsv4_sm120.kernels import page_checksum as pc
+
+    r = rows(dev[:n])
+    out["checksum_sweep"] = [
+        {"block": blk, "num_warps": nw, "ms": g.median_ms(
+            lambda blk=blk, nw=nw: pc._checksum_kernel[(n,)](r, cs_out, r.shape[1], r.stride(0), BLOCK=blk,
+                                                             num_warps=nw))}
+        for blk, nw in ((2048, 4), (4096, 4), (8192, 8), (16384, 8), (16384, 16))
+    ]
     h2d = min(out["page_runs_h2d_ms"], out.get("page_gather_h2d_ms", float("inf")))
     d2h = min(out["page_runs_d2h_ms"], out.get("page_gather_d2h_ms", float("inf")))
     out.update({

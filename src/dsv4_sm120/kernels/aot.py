@@ -55,7 +55,7 @@ KERNEL_SPECS = (
     _logits_spec(64), _logits_spec(128),
     KernelSpec("page_checksum", page_checksum._checksum_kernel,
                {"x_ptr": "*u8", "out_ptr": "*i64", "row_bytes": "i32", "stride_row": "i64"},
-               {"BLOCK": page_checksum.BLOCK}),
+               {"BLOCK": page_checksum.BLOCK}, num_warps=page_checksum.NUM_WARPS),
     KernelSpec("page_copy", page_copy._copy_pages_kernel,
                {"src_ptr": "*i32", "dst_ptr": "*i32", "src_idx_ptr": "*i32", "dst_idx_ptr": "*i32"},
                {"PAGE_WORDS": 4096, "BLOCK": page_copy.BLOCK}),
