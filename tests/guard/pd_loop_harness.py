@@ -84,6 +84,7 @@ class Scenario:
     reqs: list[ReqPlan]
     injections: list[Injection]
     max_iters: int = 400
+    ends_at_max: bool = False  # the bench: running max_iters iterations is the point, not a failure
 
 
 def make_scenario(seed: int, loop: str, world: int) -> Scenario:
@@ -106,6 +107,13 @@ def make_scenario(seed: int, loop: str, world: int) -> Scenario:
         r = rng.choice(reqs)
         injections.append(Injection(at=r.arrive + rng.randint(0, 5), rank=rng.randrange(world), kind=kind, rid=r.rid))
     return Scenario(seed, loop, world, reqs, injections)
+
+
+def steady(loop: str, world: int, iters: int, queued: int) -> Scenario:
+    """For the bench: ``queued`` requests arrive at once and stay bootstrapping for ``iters``
+    iterations (every iteration polls them), then the scenario ends at ``iters``."""
+    reqs = [ReqPlan(rid=f"st-r{i}", arrive=0, ready=[iters + 10] * world, transfer=[1] * world) for i in range(queued)]
+    return Scenario(-3, loop, world, reqs, [], max_iters=iters, ends_at_max=True)
 
 
 def batch_desync(loop: str, world: int) -> Scenario:
@@ -234,6 +242,8 @@ class RankResult:
     outcomes: dict = field(default_factory=dict)  # rank 0 only: rid -> (kind, message)
     iters: int = 0
     counters: dict = field(default_factory=dict)
+    seconds: float = 0.0  # wall time of the loop call
+    guard_seconds: float = 0.0  # bench only: time spent inside the guard call
 
 
 # ----------------------------------------------------------------------------------------------
@@ -519,6 +529,19 @@ class Harness:
             reason = obj.finished_reason or {}
             self.outcomes.setdefault(obj.rid, ("abort", reason.get("message") or obj.abort_message or ""))
 
+    def _time_guard_calls(self, loop_guard):
+        inner = getattr(loop_guard.check_iteration, "__wrapped__", loop_guard.check_iteration)
+
+        def timed(scheduler, loop):
+            t = time.perf_counter()
+            try:
+                return inner(scheduler, loop)
+            finally:
+                self.guard_seconds += time.perf_counter() - t
+
+        timed.__wrapped__ = inner
+        loop_guard.check_iteration = timed
+
     # ---- run ---------------------------------------------------------------------------------
     def run(self, sc: Scenario, loops: str) -> RankResult:
         import torch.distributed as dist
@@ -528,6 +551,10 @@ class Harness:
         use_loops(loops)
         s = self.build(sc)
         loop = s.event_loop_overlap_disagg_prefill if sc.loop == "prefill" else s.event_loop_overlap_disagg_decode
+        self.guard_seconds = 0.0
+        if sc.ends_at_max:  # the bench: also time the guard call itself
+            self._time_guard_calls(loop_guard)
+        started = time.perf_counter()
         try:
             loop()
         except loop_guard.CollectiveGuardFailFast as exc:
@@ -542,11 +569,12 @@ class Harness:
         leftovers = {name: [getattr(x, "req", x).rid for x in q] for name, q in self._queues() if q}
         dist.barrier(group=self.tp)
         c = loop_guard.counters
-        status = "ok" if self.iteration < self.sc.max_iters else "stuck"
+        status = "ok" if self.iteration < self.sc.max_iters or self.sc.ends_at_max else "stuck"
         return RankResult(self.rank, status, "" if status == "ok" else f"still busy at max_iters: {self.busy}",
                           leftovers=leftovers, outcomes=dict(self.outcomes), iters=self.iteration,
                           counters={"seen": c.divergences_seen, "reconciled": c.divergences_reconciled,
-                                    "aborted": c.requests_aborted, "fail_fasts": c.fail_fasts})
+                                    "aborted": c.requests_aborted, "fail_fasts": c.fail_fasts},
+                          seconds=time.perf_counter() - started, guard_seconds=self.guard_seconds)
 
 
 # ---- decode queue stand-ins --------------------------------------------------------------------
@@ -715,7 +743,8 @@ def _worker(rank, world, port, timeout_s, ipc_dir, jobs, conn, env):
     os.environ.update(env)
     try:
         h = Harness(rank, world, port, timeout_s, ipc_dir)
-        for sc_args, loops in jobs:
+        for sc_args, loops, *job_env in jobs:
+            os.environ.update(*job_env)  # optional per-job environment (the bench flips the guard switch)
             sc = sc_args if isinstance(sc_args, Scenario) else make_scenario(*sc_args)
             res = h.run(sc, loops)
             conn.send((sc.seed, res))

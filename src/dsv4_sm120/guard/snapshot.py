@@ -55,12 +55,11 @@ def queue_items(scheduler, loop: str, name: str) -> list:
 
 
 def digest(rids: list[str]) -> int:
-    """Order-sensitive digest of a list of request ids, in [0, 2**62)."""
-    h = hashlib.blake2b(digest_size=8)
-    for rid in rids:
-        h.update(rid.encode())
-        h.update(b"\0")
-    return int.from_bytes(h.digest(), "little") >> (64 - DIGEST_BITS)
+    """Order-sensitive digest of a list of request ids, in [0, 2**62): one hash over the joined ids."""
+    if not rids:
+        return 0
+    h = hashlib.blake2b("\0".join(rids).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> (64 - DIGEST_BITS)
 
 
 @dataclass

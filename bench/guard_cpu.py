@@ -1,0 +1,94 @@
+"""Cost of the collective guard per overlap-loop iteration, on gloo, at TP = 2, 4, 8.
+
+Runs upstream's REAL patched ``event_loop_overlap_disagg_prefill`` through the test harness
+(``tests/guard/pd_loop_harness.py``: no model, forward replaced by its TP all-reduces) with
+``queued`` requests waiting in the bootstrap queue, so every iteration does upstream's real request
+broadcast and bootstrap poll all-reduce. The same group alternates rounds with the guard switched
+off (``DSV4_SM120_COLLECTIVE_GUARD=0``: the loop is upstream's) and on, in one run; the guard's
+cost is the difference of the medians (``guard_cost_us``); ``us_inside_guard_call`` is the time spent
+inside the guard call itself (median over ranks), which includes waiting for the slowest rank. Not a test: CPU-only figures, machine noise included.
+
+    /work/venv/bin/python bench/guard_cpu.py --out bench/results/guard_cpu_$(date +%F).json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "guard"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--iters", type=int, default=400, help="loop iterations per round")
+    ap.add_argument("--rounds", type=int, default=5, help="off/on round pairs per TP size")
+    ap.add_argument("--queued", type=int, default=16, help="requests held in the bootstrap queue")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    import pd_loop_harness as h
+
+    h.setup_parent(tempfile.mkdtemp(prefix="dsv4bench"))
+    rows = []
+    for tp in args.tp:
+        base, guard, inside = [], [], []
+        jobs = []
+        for _ in range(args.rounds):
+            for switch in ("0", "1"):
+                sc = h.steady("prefill", tp, args.iters, args.queued)
+                sc.seed = len(jobs)  # a distinct key per job so every round's result is kept
+                jobs.append((sc, "patched", {"DSV4_SM120_COLLECTIVE_GUARD": switch}))
+        res = h.run_group(tp, jobs, timeout_s=120, wall_s=3000)
+        for i, (_, _, env) in enumerate(jobs):
+            per_rank = res.get(i)
+            if not per_rank or any(r is None or r.status != "ok" for r in per_rank):
+                raise SystemExit(f"TP={tp} job {i} did not finish: {per_rank}")
+            # the slowest rank bounds the iteration: collectives make the ranks wait for each other
+            us = max(r.seconds / max(r.iters, 1) for r in per_rank) * 1e6
+            (guard if env["DSV4_SM120_COLLECTIVE_GUARD"] == "1" else base).append(us)
+            if env["DSV4_SM120_COLLECTIVE_GUARD"] == "1":
+                inside.append(statistics.median(r.guard_seconds / max(r.iters, 1) for r in per_rank) * 1e6)
+        row = {
+            "tp": tp,
+            "us_per_iter_guard": round(statistics.median(guard), 1),
+            "us_per_iter_base": round(statistics.median(base), 1),
+        }
+        row["us_inside_guard_call"] = round(statistics.median(inside), 1)
+        row["guard_cost_us"] = round(row["us_per_iter_guard"] - row["us_per_iter_base"], 1)
+        row["ratio"] = round(row["us_per_iter_guard"] / row["us_per_iter_base"], 3)
+        row["rounds_guard_us"] = [round(x, 1) for x in guard]
+        row["rounds_base_us"] = [round(x, 1) for x in base]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    out = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "device": f"CPU only, {os.cpu_count()} cores (shared with other jobs), gloo over loopback TCP",
+        "commit": commit,
+        "loop": "event_loop_overlap_disagg_prefill (patched), harness of tests/guard",
+        "iters_per_round": args.iters,
+        "rounds": args.rounds,
+        "queued_requests": args.queued,
+        "goal": "guard cost <= 100 us per iteration at TP=8",
+        "load_average_at_end": os.getloadavg(),
+        "results": rows,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
