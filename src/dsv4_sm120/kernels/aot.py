@@ -54,7 +54,7 @@ KERNEL_SPECS = (
                {"BLOCK_N": index_query.BLOCK_N, "D": HEAD_DIM, "ROPE": ROPE_DIM}),
     _logits_spec(64), _logits_spec(128),
     KernelSpec("page_checksum", page_checksum._checksum_kernel,
-               {"x_ptr": "*u8", "out_ptr": "*i64", "row_bytes": "i32", "stride_row": "i64"},
+               {"x_ptr": "*i32", "out_ptr": "*i64", "row_words": "i32", "stride_row": "i64"},
                {"BLOCK": page_checksum.BLOCK}, num_warps=page_checksum.NUM_WARPS),
     KernelSpec("page_copy", page_copy._copy_pages_kernel,
                {"src_ptr": "*i32", "dst_ptr": "*i32", "src_idx_ptr": "*i32", "dst_idx_ptr": "*i32"},

@@ -1,12 +1,17 @@
 """Per-page integrity checksum for index-K pages moved by HiCache or PD.
 
-A Fletcher-style pair over the bytes of each row: ``s1 = sum b_i`` and
-``s2 = sum (i + 1) * b_i``, packed as ``(s2 mod 2^31) << 32 | (s1 mod 2^32)``
-into one int64. Any single changed byte changes s1; any two changed bytes that
-keep s1 (a swap or a +d/-d pair) change s2. The kernel keeps per-lane int32
-partial sums (no overflow for rows up to 2^23 bytes with 8192-byte steps) and reduces them once in
-int64, so it and the torch reference produce the same bits. One program per
-row; rows are read once at device bandwidth.
+A Fletcher-style pair over the 16-bit halfwords ``h_k`` of each row (little
+endian, zero-padded to a multiple of 4 bytes), modulo 2^32:
+
+    s1 = sum h_k,    s2 = sum (k + 1) * h_k,    checksum = (s2 << 32) | s1  (int64 bits)
+
+Any change confined to one halfword (every single-byte or single-bit error)
+changes s1; any two changed halfwords that keep s1 (a swap, a +d/-d pair, a
+shifted slot) change s2 by d * (i - j), which is not 0 mod 2^32 for rows up to
+128 KiB (an index-K page is 16 KiB). The kernel reads each row once as int32
+words with wrapping int32 lane sums, a few integer operations per 4 bytes, so
+it runs at memory speed; the torch reference computes the same bits in int64
+(no overflow anywhere, so the interpreter and the GPU agree too).
 """
 
 from __future__ import annotations
@@ -15,31 +20,37 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 8192  # bytes per loop step: 32 per thread at 8 warps, several 16-byte loads in flight
-NUM_WARPS = 8
+BLOCK = 1024  # int32 words (4 KiB) per loop step
+NUM_WARPS = 4
 MAX_ROW_BYTES = 1 << 23
+EXACT_ROW_BYTES = 1 << 17  # every two-halfword change is caught up to this row size
 
 
 @triton.jit
-def _checksum_kernel(x_ptr, out_ptr, row_bytes, stride_row, BLOCK: tl.constexpr):
-    # Per-lane int32 accumulators, one reduction at the end:
-    #   s1 = sum b,  s2 = sum b * (j + 1) + BLOCK * sum b * block_index   (byte i = block_index * BLOCK + j)
+def _checksum_kernel(x_ptr, out_ptr, row_words, stride_row, BLOCK: tl.constexpr):
+    # halfword index of (word k, half e) is 2k + e; with k = blk * BLOCK + j:
+    #   s2 = sum lo * (2j + 1) + hi * (2j + 2)  +  2 * BLOCK * sum (lo + hi) * blk     (all mod 2^32)
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_row
-    offs = tl.arange(0, BLOCK)
+    j = tl.arange(0, BLOCK)
+    w_lo = 2 * j + 1
     acc_s = tl.zeros([BLOCK], dtype=tl.int32)
     acc_w = tl.zeros([BLOCK], dtype=tl.int32)
-    acc_blk = tl.zeros([BLOCK], dtype=tl.int32)
-    n_blocks = tl.cdiv(row_bytes, BLOCK)
-    for blk in range(0, n_blocks):
-        idx = blk * BLOCK + offs
-        b = tl.load(base + idx, mask=idx < row_bytes, other=0).to(tl.int32)
-        acc_s += b
-        acc_w += b * (offs + 1)
-        acc_blk += b * blk
-    s1 = tl.sum(acc_s.to(tl.int64), axis=0)
-    s2 = tl.sum(acc_w.to(tl.int64), axis=0) + BLOCK * tl.sum(acc_blk.to(tl.int64), axis=0)
-    packed = ((s2 & 0x7FFFFFFF) << 32) | (s1 & 0xFFFFFFFF)
+    acc_b = tl.zeros([BLOCK], dtype=tl.int32)
+    for blk in range(0, tl.cdiv(row_words, BLOCK)):
+        k = blk * BLOCK + j
+        word = tl.load(base + k, mask=k < row_words, other=0)
+        lo = word & 0xFFFF
+        hi = (word >> 16) & 0xFFFF
+        s = lo + hi
+        acc_s += s
+        acc_w += lo * w_lo + hi * (w_lo + 1)
+        acc_b += s * blk
+    # lanes hold their sums mod 2^32 (int32 wraps); reduce in int64, then take mod 2^32
+    s1 = tl.sum(acc_s.to(tl.int64), axis=0) & 0xFFFFFFFF
+    s2 = (tl.sum(acc_w.to(tl.int64), axis=0) + (2 * BLOCK) * tl.sum(acc_b.to(tl.int64), axis=0)) & 0xFFFFFFFF
+    s2 = tl.where(s2 >= 2147483648, s2 - 4294967296, s2)
+    packed = s2 * 4294967296 + s1
     tl.store(out_ptr + row, packed)
 
 
@@ -49,7 +60,20 @@ def _as_rows(rows: torch.Tensor) -> torch.Tensor:
                          f"got {rows.dtype} {tuple(rows.shape)}")
     if rows.shape[1] > MAX_ROW_BYTES:
         raise ValueError(f"rows of {rows.shape[1]} bytes exceed the checksum's {MAX_ROW_BYTES}-byte limit")
-    return rows if rows.stride(1) == 1 else rows.contiguous()
+    if rows.shape[1] % 4 or rows.stride(1) != 1 or rows.stride(0) % 4 or rows.data_ptr() % 4:
+        pad = (-rows.shape[1]) % 4
+        padded = torch.zeros((rows.shape[0], rows.shape[1] + pad), dtype=torch.uint8, device=rows.device)
+        padded[:, : rows.shape[1]] = rows
+        rows = padded
+    return rows
+
+
+def _launch(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    words = rows.view(torch.int32)
+    if rows.shape[0]:
+        _checksum_kernel[(rows.shape[0],)](words, out, words.shape[1], words.stride(0), BLOCK=BLOCK,
+                                           num_warps=NUM_WARPS)
+    return out
 
 
 def page_checksum(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,25 +87,22 @@ def page_checksum(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.
         return result
     if out is None:
         out = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
-    if rows.shape[0]:
-        _checksum_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK=BLOCK, num_warps=NUM_WARPS)
-    return out
+    return _launch(rows, out)
 
 
 def page_checksum_triton(rows: torch.Tensor) -> torch.Tensor:
     """The Triton kernel on any device (the CPU under TRITON_INTERPRET=1); for tests."""
     rows = _as_rows(rows)
-    out = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
-    if rows.shape[0]:
-        _checksum_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK=BLOCK, num_warps=NUM_WARPS)
-    return out
+    return _launch(rows, torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device))
 
 
 def page_checksum_ref(rows: torch.Tensor) -> torch.Tensor:
     """Plain torch reference of :func:`page_checksum`, bit for bit."""
-    rows = _as_rows(rows)
-    b = rows.to(torch.int64)
-    weights = torch.arange(1, rows.shape[1] + 1, dtype=torch.int64, device=rows.device)
-    s1 = b.sum(1)
-    s2 = (b * weights).sum(1)
-    return ((s2 & 0x7FFFFFFF) << 32) | (s1 & 0xFFFFFFFF)
+    rows = _as_rows(rows).to(torch.int64)
+    half = rows[:, 0::2] | (rows[:, 1::2] << 8)  # little-endian halfwords
+    idx = torch.arange(1, half.shape[1] + 1, dtype=torch.int64, device=rows.device)
+    mask = 0xFFFFFFFF
+    s1 = half.sum(1) & mask
+    s2 = (half * idx).sum(1) & mask
+    s2_signed = s2 - (s2 >= 2**31).to(torch.int64) * 2**32
+    return s2_signed * 2**32 + s1
