@@ -11,7 +11,9 @@ production — is switchable through :class:`Behaviour`:
 - ``markup_when_inflight`` / ``bad_arguments_when_inflight``: a tool call comes back
   as DeepSeek DSML text in ``content`` (or with arguments that are not JSON) when at
   least that many chat requests are in flight (the C >= 60 tool-call corruption);
-- ``token_delay_s``: seconds between streamed frames (slow streams).
+- ``token_delay_s``: seconds between streamed frames (slow streams);
+- ``unavailable_after_aborts`` / ``unavailable_for_s``: once that many streams were cut,
+  answer 503 for that many seconds, then serve again (a server that recovers slowly).
 
 The fake model calls a tool while the conversation holds fewer than ``tool_turns``
 tool results, then answers in plain text.
@@ -48,6 +50,8 @@ class Behaviour:
     wedge_after_aborts: int | None = None
     markup_when_inflight: int | None = None
     bad_arguments_when_inflight: int | None = None
+    unavailable_after_aborts: int | None = None
+    unavailable_for_s: float = 0.0
 
 
 class FakeServer:
@@ -60,10 +64,14 @@ class FakeServer:
     def reset(self, **behaviour) -> None:
         """New behaviour and zeroed counters; requests hung by a previous wedge are let go."""
         self.release_hung()
+        # Streams of an earlier test that end late must not count against this one.
+        self.epoch = getattr(self, "epoch", 0) + 1
         self.behaviour = Behaviour(**behaviour)
         self.inflight = self.max_inflight = 0
         self.aborts = self.completed = self.hung = 0
         self.markup_sent = self.bad_arguments_sent = 0
+        self.unavailable_since: float | None = None
+        self.refused = 0
 
     def release_hung(self) -> None:
         if self._loop is not None and self._release is not None:
@@ -73,6 +81,14 @@ class FakeServer:
     def _wedged(self) -> bool:
         b = self.behaviour
         return b.wedge_after_aborts is not None and self.aborts >= b.wedge_after_aborts
+
+    def _unavailable(self) -> bool:
+        b = self.behaviour
+        if b.unavailable_after_aborts is None or self.aborts < b.unavailable_after_aborts:
+            return False
+        if self.unavailable_since is None:
+            self.unavailable_since = time.monotonic()
+        return time.monotonic() - self.unavailable_since < b.unavailable_for_s
 
     async def _hang(self) -> None:
         """Never answer (until the test lets go): what a wedged server does to every request."""
@@ -171,6 +187,9 @@ class FakeServer:
             if self._wedged():
                 await self._hang()
                 return JSONResponse({"error": "released at test teardown"}, status_code=503)
+            if self._unavailable():
+                self.refused += 1
+                return JSONResponse({"error": "recovering from the storm"}, status_code=503)
             self.inflight += 1
             self.max_inflight = max(self.max_inflight, self.inflight)
             kind, text, tool = self._reply_plan(body)
@@ -183,8 +202,10 @@ class FakeServer:
                     self.inflight -= 1
             frames = self._frames(kind, text, tool)
 
+            epoch = self.epoch
+
             async def stream():
-                finished = False
+                outcome = "cut"  # unless the loop below says otherwise: the client went away
                 try:
                     for f in frames:
                         if self._wedged():
@@ -192,16 +213,24 @@ class FakeServer:
                             # request that slipped in just before the cut streams never lands.
                             await self._hang()
                             return
+                        if self._unavailable():
+                            # Likewise a request that slipped in just before the window fails.
+                            outcome = "refused"
+                            yield 'data: {"error": {"message": "recovering from the storm"}}\n\n'
+                            return
                         if b.token_delay_s:
                             await asyncio.sleep(b.token_delay_s)
                         yield f
-                    finished = True
+                    outcome = "completed"
                 finally:
-                    self.inflight -= 1
-                    if finished:
-                        self.completed += 1
-                    else:
-                        self.aborts += 1
+                    if epoch == self.epoch:
+                        self.inflight -= 1
+                        if outcome == "completed":
+                            self.completed += 1
+                        elif outcome == "refused":
+                            self.refused += 1
+                        else:
+                            self.aborts += 1
 
             return StreamingResponse(stream(), media_type="text/event-stream")
 

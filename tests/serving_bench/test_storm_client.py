@@ -45,6 +45,15 @@ def test_slow_stream_is_not_called_wedged(server, capsys):
     assert out["recovery_s"] >= 1.2 and out["baseline_probe_s"] >= 1.2
 
 
+def test_server_that_refuses_for_a_while_then_serves_is_healthy_after_that_while(server, capsys):
+    server.reset(token_delay_s=0.01, unavailable_after_aborts=5, unavailable_for_s=1.5)
+    rc, out = _storm(server, capsys, "--sessions", "5", "--cancel-after", "1", "--deadline", "6")
+    assert rc == 0 and out["verdict"] == "healthy"
+    [r] = out["rounds"]
+    assert out["recovery_s"] >= 1.4 and r["probes_failed"] >= 3 and "recovering from the storm" in r["probe_errors"][0]
+    assert server.refused == r["probes_failed"]
+
+
 def test_server_wedged_before_the_storm_is_reported_as_such(server, capsys):
     server.reset(wedge_after_aborts=0)
     rc, out = _storm(server, capsys, "--sessions", "5", "--cancel-after", "0.5", "--deadline", "1")

@@ -146,9 +146,11 @@ async def _recover(args, cancelled_at: float) -> dict:
                 pending[asyncio.create_task(_probe(args, end - now))] = now
                 sent += 1
                 next_launch = now + args.probe_interval
-            done, _ = await asyncio.wait(
-                pending, timeout=max(0.0, min(next_launch, end) - time.perf_counter()), return_when=asyncio.FIRST_COMPLETED
-            )
+            wait_s = max(0.0, min(next_launch, end) - time.perf_counter())
+            if not pending:  # every probe so far failed fast (refused, 503): wait for the next launch
+                await asyncio.sleep(wait_s)
+                continue
+            done, _ = await asyncio.wait(pending, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 pending.pop(task)
                 exc = task.exception()
