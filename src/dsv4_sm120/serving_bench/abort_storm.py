@@ -133,7 +133,7 @@ async def _probe(args, timeout_s: float) -> float:
 async def _recover(args, cancelled_at: float) -> dict:
     """Fresh requests every ``probe_interval`` until one completes or the deadline passes."""
     end = cancelled_at + args.deadline
-    pending: dict[asyncio.Task, float] = {}
+    pending: set[asyncio.Task] = set()
     sent, errors, failed = 0, [], 0
     recovery_s = None
     next_launch = time.perf_counter()
@@ -143,7 +143,7 @@ async def _recover(args, cancelled_at: float) -> dict:
             if now >= end:
                 break
             if now >= next_launch:
-                pending[asyncio.create_task(_probe(args, end - now))] = now
+                pending.add(asyncio.create_task(_probe(args, end - now)))
                 sent += 1
                 next_launch = now + args.probe_interval
             wait_s = max(0.0, min(next_launch, end) - time.perf_counter())
@@ -152,7 +152,7 @@ async def _recover(args, cancelled_at: float) -> dict:
                 continue
             done, _ = await asyncio.wait(pending, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                pending.pop(task)
+                pending.discard(task)
                 exc = task.exception()
                 if exc is None:
                     recovery_s = time.perf_counter() - cancelled_at
@@ -177,7 +177,7 @@ async def _one_round(args, round_no: int) -> dict:
     n = args.sessions
     state = _Storm(status={i: "unsent" for i in range(n)})
     tasks = [
-        asyncio.create_task(_storm_session(args, i, round_no, state, args.ramp * i / max(1, n - 1) if n > 1 else 0.0))
+        asyncio.create_task(_storm_session(args, i, round_no, state, args.ramp * i / max(1, n - 1)))
         for i in range(n)
     ]
     await asyncio.sleep(args.cancel_after)
