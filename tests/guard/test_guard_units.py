@@ -57,3 +57,17 @@ def test_no_warning_when_patched_or_not_pd(monkeypatch, caplog):
         _fake_loaded_loops(monkeypatch, patched=False)
         hooks.warn_if_unpatched(None, SimpleNamespace(disaggregation_mode=SimpleNamespace(value="null")))
     assert caplog.text == ""
+
+
+def test_counters_reach_prometheus_when_upstream_metrics_are_on():
+    from prometheus_client import REGISTRY
+
+    from dsv4_sm120.guard.counters import Counters
+
+    c = Counters()
+    c.enable_metrics("decode")
+    c.add("divergences_seen")
+    c.add("requests_aborted", 3)
+    assert REGISTRY.get_sample_value("sglang:dsv4_guard_divergences_seen_total", {"loop": "decode"}) == 1
+    assert REGISTRY.get_sample_value("sglang:dsv4_guard_requests_aborted_total", {"loop": "decode"}) == 3
+    assert c.line() == "seen=1 reconciled=0 aborted=3 fail_fasts=0"

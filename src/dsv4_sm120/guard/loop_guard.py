@@ -2,7 +2,7 @@
 
 ``check_iteration(scheduler, loop)`` runs on every TP rank at the same point of
 every iteration (after the request broadcast, before the first queue poll). It
-compares the ranks' snapshots with one all-reduce. Agreement: return, the
+compares the ranks' snapshots (gather + broadcast of a few int64). Agreement: return, the
 iteration proceeds unchanged. Disagreement on queues: reconcile (requests not
 held by every rank are aborted where held, their clients told why) and check
 again. Disagreement that reconciliation cannot remove (batch state, or queues

@@ -4,8 +4,8 @@ Each loop keeps queues whose polls are all-reduced only when the queue is not
 empty, and whose order pairs the reduced poll states element by element; and
 batch state that decides whether a forward or ``on_idle`` runs. A snapshot is
 one ordered list of request ids per queue plus a few scalars. Its vector form
-(per queue: length and an order-sensitive 62-bit digest) is what one all-reduce
-compares; the id lists are exchanged only when the vectors differ.
+(per queue: length and an order-sensitive 62-bit digest) is what the ranks
+compare each iteration; the id lists are exchanged only when the vectors differ.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-DIGEST_BITS = 62  # fits int64 with its negation, so one MIN all-reduce yields min and max
+DIGEST_BITS = 62  # a non-negative int64 with room to spare
 
 # Queues per loop: name -> how to read the scheduler's items for that queue.
 PREFILL_QUEUES = ("bootstrap", "waiting", "inflight")
