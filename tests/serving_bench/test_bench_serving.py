@@ -63,7 +63,7 @@ def test_runs_upstream_against_the_fake_server(server, tiny_tokenizer, tmp_path,
         ["bench-serving", "--base-url", server.url, "--model", "fake-dsv4", "--tokenizer", tiny_tokenizer,
          "--concurrency", "2", "--num-prompts", "4", "--dataset-name", "random-ids",
          "--random-input-len", "16", "--random-output-len", "6", "--out-dir", str(tmp_path), "--tag", "fixes-on",
-         "--launch-flags", "python -m sglang.launch_server --model-impl dsv4 --disaggregation-mode prefill",
+         "--launch-flags", "python -m sglang.launch_server --model-impl dsv4 --disaggregation-mode prefill", "--device", "cpu test",
          "--", "--random-range-ratio", "1", "--warmup-requests", "1"]
     )  # fmt: skip
     printed = json.loads(capsys.readouterr().out)
@@ -79,6 +79,7 @@ def test_runs_upstream_against_the_fake_server(server, tiny_tokenizer, tmp_path,
     assert server.completed == 5  # 1 warmup + 4 measured
     assert record["switches_in_force"]["DSV4_SM120_INDEX_K_CHECKSUM"] == "1"
     assert record["launch_flags"] == ["python -m sglang.launch_server --model-impl dsv4 --disaggregation-mode prefill"]
+    assert record["device"] == "cpu test" and record["date_utc"] and record["sglang_version_client"] == "0.5.23"
     assert printed["summary"][0]["completed"] == 4 and printed["file"] == str(path)
 
 

@@ -43,7 +43,7 @@ def normalize_base_url(url: str) -> str:
 
 
 def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--base-url``, ``--model``, ``--api-key``, ``--launch-flags`` (the same on every instrument)."""
+    """``--base-url``, ``--model``, ``--api-key``, ``--launch-flags``, ``--device`` (the same on every instrument)."""
     parser.add_argument(
         "--base-url", required=True, help="server or router root, e.g. http://127.0.0.1:30000 (a trailing /v1 is fine)"
     )
@@ -59,6 +59,9 @@ def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="CMDLINE",
         help="a server launch command line to keep in the record; repeat for prefill, decode and router",
+    )
+    parser.add_argument(
+        "--device", default=None, help="what the servers run on, for the record, e.g. '2x4 RTX PRO 6000, PD over NIXL'"
     )
 
 
@@ -102,6 +105,7 @@ def provenance(tool: str, args: argparse.Namespace) -> dict:
         "base_url": normalize_base_url(args.base_url),
         "model": args.model,
         "launch_flags": list(args.launch_flags),
+        "device": args.device,
         "dsv4_sm120_version": dsv4_sm120.__version__,
         "dsv4_sm120_commit": _checkout_commit(),
         "sglang_version_client": _installed("sglang"),
