@@ -84,7 +84,9 @@ def test_runs_upstream_against_the_fake_server(server, tiny_tokenizer, tmp_path,
 
 
 @pytest.mark.slow
-def test_each_level_is_one_upstream_run_and_a_failed_level_keeps_upstreams_words(server, tiny_tokenizer, tmp_path, monkeypatch, capsys):
+def test_each_level_is_one_upstream_run_and_a_failed_level_keeps_upstreams_words(
+    server, tiny_tokenizer, tmp_path, monkeypatch, capsys
+):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     common = ["--base-url", server.url, "--model", "fake-dsv4", "--num-prompts", "6", "--dataset-name", "random-ids",
               "--random-input-len", "8", "--random-output-len", "3", "--out-dir", str(tmp_path)]  # fmt: skip

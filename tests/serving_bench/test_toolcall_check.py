@@ -1,4 +1,4 @@
-"""``toolcall-check`` against the fake server: it must count leaked markup and bad arguments, per concurrency, and nothing else."""
+"""``toolcall-check`` against the fake server: it counts leaked markup and bad arguments per concurrency, and nothing else."""
 
 from __future__ import annotations
 

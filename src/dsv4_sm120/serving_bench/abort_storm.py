@@ -47,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--probe-interval", type=pos(float), default=2.0, help="seconds between fresh requests after the cancel")
     parser.add_argument("--rounds", type=pos(int), default=1, help="storms in a row; stops at the first wedge")
-    parser.add_argument("--prompt-words", type=int, default=2000, help="filler words per storm prompt (long prompts abort in prefill)")
+    parser.add_argument(
+        "--prompt-words", type=int, default=2000, help="filler words per storm prompt (long prompts abort in prefill)"
+    )
     parser.add_argument("--storm-max-tokens", type=pos(int), default=4096, help="max_tokens of storm sessions")
     parser.add_argument("--probe-max-tokens", type=pos(int), default=16, help="max_tokens of the fresh requests")
     parser.add_argument(

@@ -84,7 +84,8 @@ def _tool_result(name: str, arguments: str) -> str:
     if not isinstance(args, dict):
         return "error: the arguments must be a JSON object"
     target = args.get("path") or args.get("pattern") or args.get("command") or "."
-    lines = [f"{name} {target}:"] + [f"  src/pkg/module_{k}.py:{10 * k}: def handler_{k}(request, timeout=30):" for k in range(12)]
+    hits = [f"  src/pkg/module_{k}.py:{10 * k}: def handler_{k}(request, timeout=30):" for k in range(12)]
+    lines = [f"{name} {target}:", *hits]
     return "\n".join(lines)
 
 
@@ -92,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_endpoint_arguments(parser)
     pos = common.positive
     parser.add_argument(
-        "--concurrency", type=pos(int), nargs="+", default=[1, 16, 64], help="concurrency levels to run, in order (default 1 16 64)"
+        "--concurrency", type=pos(int), nargs="+", default=[1, 16, 64], help="concurrency levels, in order (default 1 16 64)"
     )
     parser.add_argument(
         "--sessions", type=pos(int), default=None, help="sessions per level (default: max(concurrency, 8))"
