@@ -9,4 +9,6 @@ H200 image (Triton 3.6) and compile ahead of time for sm_90 and sm_120 in CI
 - ``index_query``: indexer query RoPE + Hadamard in bf16 (no fp8 quantization).
 - ``mqa_logits``: paged MQA logits over bf16 pages, decode and prefill.
 - ``page_checksum``: per-page integrity checksum for HiCache / PD integrity mode.
+- ``page_copy``: one-launch gather-copy of whole pages between device and pinned host pools.
+- ``aot``: the launch signature of every kernel, compiled ahead of time for sm_90 and sm_120 in CI.
 """
