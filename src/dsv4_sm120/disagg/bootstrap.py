@@ -16,6 +16,7 @@ What it adds:
 * every frame is handled inside its own try: a bad frame is refused
   (:class:`~dsv4_sm120.disagg.rejects.RejectLog`), the thread keeps serving;
 * a peer whose registration fails half way is rolled back, so it can register again;
+* a transfer-info frame from an agent that never registered is refused;
 * every ABORT buries its room (:class:`~dsv4_sm120.disagg.tombstones.Tombstones`),
   and a transfer-info frame for a buried room is dropped instead of creating it;
 * the loop polls with a timeout and beats a heart, so
@@ -204,13 +205,19 @@ class HardenedBootstrap:
             self.rejects.count("late_frames_dropped")
             logger.debug("dsv4-sm120: dropped transfer info for aborted room %s from %s", room, agent)
             return
+        mgr = self.mgr
+        if agent not in mgr.decode_kv_args_table:
+            # A decode registers on the same ordered socket before it sends any metadata.
+            if room in mgr.request_status:
+                mgr.record_failure(room, f"dsv4-sm120: decode agent {agent!r} sent metadata without registering")
+                mgr.update_status(room, KVPoll.Failed)
+            raise FrameRejected("unregistered peer", f"transfer info for room {room} from an agent that never registered")
         try:
             info = TransferInfo.from_zmq(body)
         except Exception as exc:
             raise FrameRejected("bad transfer info", f"room {room}: {type(exc).__name__}: {exc}") from None
         if info.required_dst_info_num < 1:
             raise FrameRejected("bad transfer info", f"room {room}: required_dst_info_num={info.required_dst_info_num}")
-        mgr = self.mgr
         room_infos = mgr.transfer_infos.setdefault(room, {})
         room_infos[agent] = info
         if len(room_infos) != info.required_dst_info_num:

@@ -184,6 +184,7 @@ class LoopbackPD:
         self._push.connect(f"tcp://{self.prefill.local_ip}:{self.prefill.rank_port}")
         self._push_lock = threading.Lock()
         self.sessions: list[Session] = []
+        self.aborts_sent = 0
 
     # -- raw access -----------------------------------------------------------------------------
     @property
@@ -251,6 +252,17 @@ class LoopbackPD:
         s.aborted = True
         if s.receiver is not None and s.decode_state is None:
             s.receiver.abort()
+            self.aborts_sent += 1
+
+    def settle_aborts(self, timeout_s: float = 5.0) -> None:
+        """Wait until the prefill handled every ABORT sent so far (the pin's thread has no counter: a short sleep)."""
+        boot = self.hardening
+        if boot is None:
+            time.sleep(0.3)
+            return
+        deadline = time.monotonic() + timeout_s
+        while boot.rejects.snapshot()["aborts_handled"] < self.aborts_sent and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def verify(self, s: Session) -> bool:
         import torch

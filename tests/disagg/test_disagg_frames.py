@@ -1,0 +1,139 @@
+"""No frame from the network kills the prefill bootstrap thread; aborted rooms stay dead."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from dsv4_sm120.disagg.loopback import FOREIGN_FRAME
+
+KV_SUCCESS = 4  # KVPoll.Success
+KV_FAILED = 0
+
+
+def _wait(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def _one_session_completes(pd, timeout=10.0) -> bool:
+    s = pd.open()
+    pd.send_metadata(s)
+    return pd.run([s], timeout) and s.prefill_state == KV_SUCCESS and s.decode_state == KV_SUCCESS and pd.verify(s)
+
+
+def test_pin_thread_dies_on_a_foreign_frame_and_sessions_stall(make_pd):
+    """The incident, against the pin: one unknown frame, and every later request waits in Bootstrapping."""
+    pin = make_pd(hardened=False, seed=2)
+    assert _one_session_completes(pin)
+    pin.push_raw(FOREIGN_FRAME)
+    assert _wait(lambda: not pin.thread_alive())
+    s = pin.open()
+    pin.send_metadata(s)
+    assert not pin.run([s], 2.0)  # bounded wait: it would sit there for the 300 s bootstrap timeout
+    assert pin.prefill.request_status[s.room] == 1  # KVPoll.Bootstrapping
+
+
+def test_foreign_frame_is_rejected_and_thread_keeps_serving(pd):
+    pd.push_raw(FOREIGN_FRAME)
+    pd.push_raw([b"NixlMsgGuard", b"1"])  # too few parts
+    pd.push_raw([b"NixlMsgGuard", b"\xff\xfe", b"h", b"1", b"agent"])  # room not ascii
+    pd.push_raw([b"NixlMsgGuard", b"12x", b"h", b"1", b"agent"])  # room not an int
+    pd.push_raw([b"ABORT"])  # ABORT without a room
+    assert _one_session_completes(pd)
+    assert pd.thread_alive()
+    rejected = pd.hardening.rejects.snapshot()["rejected_by_reason"]
+    for reason in ("unknown tag", "too few parts", "bad encoding", "bad integer", "bad abort"):
+        assert rejected.get(reason, 0) >= 1, rejected
+
+
+def test_late_transfer_info_after_abort_for_unknown_room_creates_no_room(pd):
+    s = pd.open(prefill=False)  # the prefill has not heard of this request yet
+    pd.abort(s)  # ABORT for a room the prefill does not know
+    pd.run([s], 5.0)
+    pd.settle_aborts()
+    frame = pd.metadata_frame(s)
+    pd.push_raw(frame)  # the transfer info lands late
+    _wait(lambda: pd.hardening is not None and pd.hardening.rejects.snapshot()["late_frames_dropped"] >= 1, 2.0)
+    time.sleep(0.2)
+    assert s.room not in pd.prefill.transfer_infos, "a late transfer-info frame resurrected an aborted room"
+    assert s.room not in pd.prefill.request_status, "a late transfer-info frame resurrected an aborted room"
+    # And when the prefill finally opens the request, it starts Failed instead of waiting 300 s.
+    from sglang.srt.disaggregation.nixl.conn import NixlKVSender
+
+    sender = NixlKVSender(pd.prefill, pd.addr, s.room)
+    assert sender.poll() == KV_FAILED
+    sender.clear()
+    assert s.room not in pd.prefill.request_status
+
+
+def test_half_registered_peer_is_rolled_back_and_registers_again(make_pd):
+    """A registration that fails inside _add_remote_peer must not leave the peer half registered."""
+    fresh = make_pd(seed=5)  # its decode has not registered yet
+    frame = fresh.decode.build_receiver_registration_message()
+    frame[5] = b"not nixl agent metadata"  # add_remote_agent fails after the peer table was written
+    fresh.push_raw(frame)
+    agent = fresh.decode.agent.name
+    assert _wait(lambda: fresh.hardening is not None and fresh.hardening.rejects.frames_rejected >= 1)
+    assert fresh.thread_alive()
+    assert agent not in fresh.prefill.decode_kv_args_table
+    # The real decode registers (again) and its sessions complete.
+    assert _one_session_completes(fresh)
+    assert agent in fresh.prefill.decode_kv_args_table
+
+
+GUARD = b"NixlMsgGuard"
+_part = st.one_of(
+    st.binary(max_size=24),
+    st.integers(-(2**63), 2**64).map(lambda i: str(i).encode()),
+    st.sampled_from([b"None", b"", b"127.0.0.1", b"0", b"1", b"\xff", b"-1"]),
+)
+_tag = st.one_of(st.sampled_from([GUARD, b"ABORT", b"WATERMARK", b"STAGING_RSP", b"KV_STATUS"]), st.binary(max_size=16))
+_frames = st.builds(lambda tag, rest: [tag, *rest], _tag, st.lists(_part, max_size=26))
+
+
+def _fuzz(pd, n_examples):
+    sent = []
+
+    # Frames are handled asynchronously, so shrinking an example means nothing here: generate only.
+    @settings(max_examples=n_examples, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(frames=_frames)
+    def send(frames):
+        pd.push_raw(frames)
+        sent.append(frames)
+        if len(sent) % 100 == 0:  # legitimate traffic interleaved with the garbage
+            assert pd.thread_alive(), f"bootstrap thread died within the last 100 frames, e.g. {sent[-100:][:3]}"
+            assert _one_session_completes(pd)
+
+    send()
+    return sent
+
+
+def _check_after_fuzz(pd, sent):
+    assert _wait(lambda: pd.hardening.rejects.snapshot()["frames_served"] + pd.hardening.rejects.frames_rejected
+                 >= len(sent), timeout=30)
+    assert pd.thread_alive()
+    assert _one_session_completes(pd)
+
+
+def test_generated_frames_never_kill_the_thread(make_pd):
+    pd = make_pd(seed=6)
+    assert _one_session_completes(pd)  # the decode is registered: generated frames meet a live peer table
+    sent = _fuzz(pd, 300)
+    _check_after_fuzz(pd, sent)
+
+
+@pytest.mark.slow
+def test_ten_thousand_generated_frames_never_kill_the_thread(make_pd):
+    pd = make_pd(seed=7)
+    assert _one_session_completes(pd)
+    sent = _fuzz(pd, 10_000)
+    _check_after_fuzz(pd, sent)
