@@ -20,6 +20,8 @@ import logging
 import os
 import threading
 
+import torch.distributed as dist
+
 from dsv4_sm120.guard import consensus, reconcile, snapshot
 from dsv4_sm120.guard.counters import Counters
 
@@ -68,8 +70,6 @@ def check_iteration(scheduler, loop: str) -> None:
 
 
 def _agree(scheduler, loop: str, group, rank: int) -> None:
-    import torch.distributed as dist
-
     seen = False
     for _ in range(MAX_ROUNDS):
         snap = snapshot.take(scheduler, loop)
