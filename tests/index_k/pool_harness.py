@@ -21,6 +21,7 @@ NUM_LAYERS = 4
 
 
 def publish(model_dir: Path, model_impl: str, **extra):
+    """Publish a CPU ServerArgs; ``extra`` adds server arguments (e.g. the HiCache ones)."""
     from sglang.srt import runtime_context
     from sglang.srt.server_args import ServerArgs
 
@@ -31,7 +32,7 @@ def publish(model_dir: Path, model_impl: str, **extra):
     return args
 
 
-def configurator(model_dir: Path, model_impl: str, budget_bytes: int = BUDGET_BYTES):
+def configurator(model_dir: Path, model_impl: str, budget_bytes: int = BUDGET_BYTES, **server_extra):
     """A published, ready ``KVCacheConfigurator`` whose memory probe answers ``budget_bytes``."""
     from sglang.srt.configs.model_config import AttentionArch, ModelConfig
     from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
@@ -46,7 +47,7 @@ def configurator(model_dir: Path, model_impl: str, budget_bytes: int = BUDGET_BY
         def _profile_available_bytes(self, pre_model_load_memory):
             return budget_bytes
 
-    args = publish(model_dir, model_impl)
+    args = publish(model_dir, model_impl, **server_extra)
     model_config = ModelConfig.from_server_args(args)
     return FixedBudgetConfigurator(
         device="cpu", gpu_id=0, attn_dp_size=1, pp_size=1, pp_group=None, model=None,
@@ -64,9 +65,9 @@ def configurator(model_dir: Path, model_impl: str, budget_bytes: int = BUDGET_BY
     )
 
 
-def build(model_dir: Path, model_impl: str, budget_bytes: int = BUDGET_BYTES):
+def build(model_dir: Path, model_impl: str, budget_bytes: int = BUDGET_BYTES, **server_extra):
     """Plan and allocate through ``configure()``; returns its ``KVCacheConfigResult``."""
-    return configurator(model_dir, model_impl, budget_bytes).configure(pre_model_load_memory=0)
+    return configurator(model_dir, model_impl, budget_bytes, **server_extra).configure(pre_model_load_memory=0)
 
 
 def tiny_checkpoint(tmp_dir: Path) -> Path:
