@@ -40,7 +40,7 @@ def test_corruption_that_needs_load_shows_only_at_high_concurrency(server, capsy
     low, high = out["levels"]
     assert low["corrupted"] == 0 and low["corruption_rate"] == 0.0
     assert high["corrupted"] > 0 and high["corruption_rate"] > 0
-    assert server.max_inflight == 6
+    assert 3 <= server.max_inflight <= 6  # the level really ran concurrently, never above its C
 
 
 def test_unparsable_arguments_are_corrupted(server, capsys):
