@@ -76,6 +76,14 @@ def storm_round(h, index: int, *, sessions: int, fresh: int, foreign: int, wait_
                 h.send_metadata(s)
         storm.append(s)
         h.pump()
+    # The agent is killed: whatever has not hit its abort point yet (e.g. never bootstrapped) is aborted now.
+    deadline = time.monotonic() + 1.0
+    while any(not s.aborted for s in storm) and time.monotonic() < deadline:
+        h.pump()
+        time.sleep(0.002)
+    for s in storm:
+        if not s.aborted:
+            h.abort(s)
     h.settle_aborts()  # "late" means after the prefill handled the ABORT
     for s in late:
         h.push_raw(h.metadata_frame(s))

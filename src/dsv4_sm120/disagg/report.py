@@ -1,0 +1,32 @@
+"""The disagg row of ``dsv4-sm120 doctor``: is the NIXL bootstrap hardening in force here?
+
+Cheap on purpose: reads the switch and the installed ``nixl`` version (for ``--json``), imports no sglang.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from dsv4_sm120 import doctor, settings
+
+
+def doctor_section() -> doctor.Section:
+    try:
+        on = settings.load().nixl_hardening
+        switch_problem = None
+    except settings.SettingsError as exc:
+        on, switch_problem = False, str(exc)
+    try:
+        nixl = metadata.version("nixl")
+    except metadata.PackageNotFoundError:
+        nixl = None
+    rows = []
+    if switch_problem:
+        rows.append(doctor.Row("nixl hardening", doctor.FAIL, switch_problem))
+    elif on:
+        rows.append(doctor.Row("nixl hardening", doctor.OK,
+                               "prefill bootstrap thread rejects bad frames, tombstones aborted rooms, fails /health when a NIXL thread dies"))
+    else:
+        rows.append(doctor.Row("nixl hardening", doctor.WARN,
+                               "DSV4_SM120_NIXL_HARDENING=0: the pin's bootstrap thread; one unknown frame wedges PD for 300 s"))
+    return doctor.Section("disagg", {"nixl_hardening": on, "nixl": nixl}, rows)
