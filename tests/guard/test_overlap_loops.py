@@ -83,8 +83,8 @@ def test_randomized_scenarios_never_hang(loop, world, n):
     """Seeded random arrivals, per-rank bootstrap/transfer timings, real failures, and 1-3 injected
     rank-local divergences per scenario: 0 hangs, every request completes or is aborted with a reason."""
     res = H.run_group(world, [((seed, loop, world), "patched") for seed in range(n)], timeout_s=20, wall_s=240)
-    _expected_seeds(res, n)
     totals = _check_completed(res, world)
+    _expected_seeds(res, n)
     assert totals["scenarios"] == n
 
 
@@ -107,5 +107,5 @@ def test_unreconcilable_divergence_fails_fast_and_exits_nonzero():
 def test_thousand_randomized_scenarios_never_hang(loop, world, n):
     """1000 seeded scenarios in all (these four cases together), each reproducible from its seed."""
     res = H.run_group(world, [((seed, loop, world), "patched") for seed in range(n)], timeout_s=30, wall_s=1800)
-    _expected_seeds(res, n)
     assert _check_completed(res, world)["scenarios"] == n
+    _expected_seeds(res, n)
