@@ -73,7 +73,7 @@ def apply(scheduler, loop: str, p: Plan, world: int) -> int:
     held = {}
     for name, keep in p.keep.items():
         items = snapshot.queue_items(scheduler, loop, name)
-        by_rid = {snapshot._rid(x): x for x in items}
+        by_rid = {snapshot.rid_of(x): x for x in items}
         lost = p.orphans.get(name, {})
         for rid, item in by_rid.items():
             if rid in lost:

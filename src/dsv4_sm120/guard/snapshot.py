@@ -20,7 +20,7 @@ PREFILL_QUEUES = ("bootstrap", "waiting", "inflight")
 DECODE_QUEUES = ("prealloc", "retracted", "transfer", "waiting", "running")
 
 
-def _rid(item) -> str:
+def rid_of(item) -> str:
     """Request id of a queue item (a Req, or a decode-side DecodeRequest wrapping one)."""
     req = getattr(item, "req", None)
     return item.rid if req is None else req.rid
@@ -84,7 +84,7 @@ class Snapshot:
 def take(scheduler, loop: str) -> Snapshot:
     """Read this rank's state; cheap (no copies of requests, one pass over each queue)."""
     names = PREFILL_QUEUES if loop == "prefill" else DECODE_QUEUES
-    queues = {name: [_rid(x) for x in queue_items(scheduler, loop, name)] for name in names}
+    queues = {name: [rid_of(x) for x in queue_items(scheduler, loop, name)] for name in names}
     last = getattr(scheduler, "last_batch", None)
     chunked = getattr(scheduler, "chunked_req", None)
     scalars = {
