@@ -18,6 +18,8 @@ from tiny_checkpoints import write_tiny_dsv4
 
 BUDGET_BYTES = 64 << 20
 NUM_LAYERS = 4
+SLOTS_PER_FULL_PAGE = 256  # HiCache indexes the C4 indexer region in FULL token slots
+HICACHE_RATIO = 2.0
 
 
 def publish(model_dir: Path, model_impl: str, **extra):

@@ -1,9 +1,10 @@
 """HiCache host mirror of bf16 index-K pages, through upstream's real stack and host pool objects.
 
 The stack is built by upstream's strategy registry (``_select_strategy`` picks
-the package's strategy) on the real pool from ``configure()``. Two things are
-replaced because they need a CUDA driver: ``cudaHostRegister`` (host pinning is
-switched off) and the page-row copy kernels (see :mod:`cpu_page_mover`).
+the package's strategy) on the real pool from ``configure()`` (the ``stacks``
+fixture in conftest). Two things are replaced because they need a CUDA driver:
+``cudaHostRegister`` (host pinning is switched off) and the page-row copy
+kernels (see :mod:`cpu_page_mover`).
 """
 
 from __future__ import annotations
@@ -12,50 +13,10 @@ import pytest
 import torch
 
 import cpu_page_mover
-import pool_harness
-
-SLOTS_PER_FULL_PAGE = 256  # HiCache indexes the C4 indexer region in FULL token slots
-HICACHE_RATIO = 2.0
+from pool_harness import HICACHE_RATIO, SLOTS_PER_FULL_PAGE
 
 
-@pytest.fixture(scope="session")
-def stacks(checkpoint, hooked):
-    """``stacks(layout, dtype)``: (configure() result, StackBuildResult, strategy), cached."""
-    from sglang.srt import runtime_context
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
-    from sglang.srt.mem_cache.pool_host import common
-    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-
-    class Tree:  # the radix tree only lends its component set and eviction callbacks
-        components = {ComponentType.FULL: None, ComponentType.SWA: None}
-
-    cache = {}
-
-    def get(layout, dtype="bf16"):
-        if (layout, dtype) not in cache:
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("DSV4_SM120_INDEX_K_DTYPE", dtype)
-                # Replaced: cudaHostRegister needs a CUDA driver (host pinning off).
-                mp.setattr(common, "_cuda_host_register", lambda *args, **kwargs: None)
-                result = pool_harness.build(
-                    checkpoint, "dsv4", enable_hierarchical_cache=True, hicache_ratio=HICACHE_RATIO,
-                    hicache_mem_layout=layout, hicache_io_backend="kernel",
-                )
-                kv = result.token_to_kv_pool
-                params = CacheInitParams(disable=False, req_to_token_pool=result.req_to_token_pool,
-                                         token_to_kv_pool_allocator=result.token_to_kv_pool_allocator,
-                                         page_size=SLOTS_PER_FULL_PAGE)
-                strategy = hybrid_pool_assembler._select_strategy(kv, set(Tree.components))
-                built = strategy.build(cache=Tree(), kvcache=kv, params=params,
-                                       server_args=runtime_context.get_server_args(), load_cache_event=None)
-            cache[layout, dtype] = result, built, strategy
-        return cache[layout, dtype]
-
-    return get
-
-
-def _index_host(built):
+def index_host(built):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     return built.host_pool_group.get_pool(PoolName.DEEPSEEK_V4_C4_INDEXER)
@@ -66,9 +27,10 @@ def test_bf16_mirror_is_built_by_the_registered_strategy(stacks, layout):
     from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
 
     result, built, strategy = stacks(layout)
-    host, device = _index_host(built), result.token_to_kv_pool.c4_indexer_kv_pool
+    host, device = index_host(built), result.token_to_kv_pool.c4_indexer_kv_pool
     assert type(strategy).__name__ == "BF16IndexKStackStrategy"
-    assert type(host) is DeepSeekV4PagedHostPool and host.layout == layout
+    assert isinstance(host, DeepSeekV4PagedHostPool) and type(host).__name__ == "BF16IndexKHostPool"
+    assert host.layout == layout and host.index_k_ledger is None  # integrity mode off by default
     assert host.item_bytes == 16384 and host.page_aligned_only
     assert [b.data_ptr() for b in host.device_buffers] == [b.data_ptr() for b in device.index_k_with_scale_buffer]
     # Upstream's ratio rule: host pages = device FULL pages x --hicache-ratio, as for the C4 KV mirror.
@@ -81,7 +43,7 @@ def test_bf16_mirror_is_built_by_the_registered_strategy(stacks, layout):
 
 def test_fp8_keeps_upstreams_strategy_and_mirror(stacks):
     result, built, strategy = stacks("layer_first", "fp8")
-    host = _index_host(built)
+    host = index_host(built)
     assert type(strategy).__name__ == "_DeepSeekV4Strategy"
     assert host.item_bytes == 8448 and not host.page_aligned_only
 
@@ -94,7 +56,7 @@ def _host_pages(host, count, gen):
     return pages[torch.randperm(len(pages), generator=gen)[:count]]
 
 
-def _round_trip(host, device_pool, batches, load_splits, gen, fill=True):
+def round_trip(host, device_pool, batches, load_splits, gen, fill=True):
     """Back up each (device pages, host pages) batch, scribble the device, load back elsewhere.
 
     Returns the number of pages that made the round trip. Every reloaded page
@@ -149,11 +111,11 @@ def _scenario(name, num_device_pages, host, gen):
 @pytest.mark.parametrize("scenario, load_splits", [("random", 1), ("page_boundaries", 2), ("partial_batches", 3)])
 def test_round_trip_is_byte_exact(stacks, monkeypatch, layout, scenario, load_splits):
     result, built, _ = stacks(layout)
-    host, device_pool = _index_host(built), result.token_to_kv_pool.c4_indexer_kv_pool
+    host, device_pool = index_host(built), result.token_to_kv_pool.c4_indexer_kv_pool
     calls = cpu_page_mover.install(monkeypatch, host)
     gen = torch.Generator().manual_seed(hash((layout, scenario)) % 2**31)
     batches = _scenario(scenario, host.device_buffers[0].shape[0], host, gen)
-    assert _round_trip(host, device_pool, batches, load_splits, gen) == sum(len(d) for d, _ in batches)
+    assert round_trip(host, device_pool, batches, load_splits, gen) == sum(len(d) for d, _ in batches)
     assert "transfer_cache_dsv4_mla" not in calls
     expected = {"layer_first": "transfer_kv_per_layer_mla", "page_first": "transfer_kv_per_layer_mla_pf_lf"}
     assert calls[expected[layout]] >= 1
@@ -162,7 +124,7 @@ def test_round_trip_is_byte_exact(stacks, monkeypatch, layout, scenario, load_sp
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_sub_page_transfers_are_refused(stacks, monkeypatch, layout):
     result, built, _ = stacks(layout)
-    host, device_pool = _index_host(built), result.token_to_kv_pool.c4_indexer_kv_pool
+    host, device_pool = index_host(built), result.token_to_kv_pool.c4_indexer_kv_pool
     calls = cpu_page_mover.install(monkeypatch, host)
     half_page = torch.arange(SLOTS_PER_FULL_PAGE // 2)
     with pytest.raises(ValueError, match="page-aligned"):
@@ -176,7 +138,7 @@ def test_sub_page_transfers_are_refused(stacks, monkeypatch, layout):
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_round_trip_100k_pages(stacks, monkeypatch, layout):
     result, built, _ = stacks(layout)
-    host, device_pool = _index_host(built), result.token_to_kv_pool.c4_indexer_kv_pool
+    host, device_pool = index_host(built), result.token_to_kv_pool.c4_indexer_kv_pool
     cpu_page_mover.install(monkeypatch, host)
     gen = torch.Generator().manual_seed(100_000)
     num_device_pages, moved, fill = host.device_buffers[0].shape[0], 0, True
@@ -186,7 +148,7 @@ def test_round_trip_100k_pages(stacks, monkeypatch, layout):
         sizes = torch.diff(sizes[sizes < num_device_pages], prepend=torch.tensor([0])).tolist()
         picks = picks[: sum(sizes)]
         hosts = _host_pages(host, len(picks), gen)
-        moved += _round_trip(host, device_pool, list(zip(torch.split(picks, sizes), torch.split(hosts, sizes))),
+        moved += round_trip(host, device_pool, list(zip(torch.split(picks, sizes), torch.split(hosts, sizes))),
                              4, gen, fill)
         fill = False
     assert moved >= 100_000

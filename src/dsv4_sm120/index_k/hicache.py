@@ -12,13 +12,19 @@ upstream's own fp4 indexer mirror does.
 
 The strategy below is prepended through upstream's ``register_stack_strategy``;
 it matches only a pool with bf16 C4 keys and otherwise builds exactly
-upstream's DSV4 stack. Upstream reads ``page_aligned_only`` only at transfer
-time (and in ``__init__`` only on XPU, for the sub-page kernel it now never
-calls), so setting it on the built host pool is equivalent to building it so.
+upstream's DSV4 stack. It then adopts the built index-K host pool into
+:class:`BF16IndexKHostPool`, a subclass that adds no state of upstream's and
+only wraps the two transfer methods for integrity mode. Upstream reads
+``page_aligned_only`` only at transfer time (and in ``__init__`` only on XPU,
+for the sub-page kernel it now never calls), so setting it on the built host
+pool is equivalent to building it so.
 """
 
 from __future__ import annotations
 
+import functools
+
+from dsv4_sm120 import settings
 from dsv4_sm120.index_k import layout
 
 _registered = False
@@ -28,6 +34,7 @@ class IndexKMirrorError(RuntimeError):
     """The host mirror built for the bf16 index-K region does not match the device rows."""
 
 
+@functools.cache
 def _strategy_class():
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _DeepSeekV4Strategy
@@ -45,10 +52,53 @@ def _strategy_class():
             result = super().build(**kwargs)
             host = result.host_pool_group.get_pool(PoolName.DEEPSEEK_V4_C4_INDEXER)
             check_mirror(host, kwargs["kvcache"].index_pools[4])
-            host.page_aligned_only = True
+            adopt(host, checksum=settings.load().index_k_checksum)
             return result
 
     return BF16IndexKStackStrategy
+
+
+@functools.cache
+def _host_pool_class():
+    from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
+
+    class BF16IndexKHostPool(DeepSeekV4PagedHostPool):
+        """Upstream's V4 paged host pool; in integrity mode it checksums pages out and back in."""
+
+        index_k_ledger = None
+
+        def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
+            if self.index_k_ledger is not None and self._has_transfer_indices(host_indices, device_indices):
+                host_pages = self._to_page_indices(host_indices)
+                device_pages = self._to_page_indices(device_indices).to(self.device_buffers[0].device)
+                for layer, rows in enumerate(self.device_buffers):
+                    self.index_k_ledger.record(layer, host_pages, rows.index_select(0, device_pages))
+            return super().backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
+
+        def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend,
+                                     **kwargs):
+            super().load_to_device_per_layer(device_pool, host_indices, device_indices, layer_id, io_backend,
+                                             **kwargs)
+            if self.index_k_ledger is not None and self._has_transfer_indices(host_indices, device_indices):
+                device_pages = self._to_page_indices(device_indices).to(self.device_buffers[0].device)
+                self.index_k_ledger.verify(
+                    layer_id, self._to_page_indices(host_indices), device_pages,
+                    self.device_buffers[layer_id].index_select(0, device_pages), self.pool_name,
+                )
+
+    return BF16IndexKHostPool
+
+
+def adopt(host_pool, checksum: bool) -> None:
+    """Make the built index-K host pool page-aligned only, and checksummed in integrity mode."""
+    from dsv4_sm120.index_k.integrity import PageLedger
+
+    host_pool.__class__ = _host_pool_class()
+    host_pool.page_aligned_only = True
+    if checksum:
+        host_pool.index_k_ledger = PageLedger(
+            host_pool.layer_num, host_pool.num_host_pages, host_pool.device_buffers[0].device
+        )
 
 
 def check_mirror(host_pool, device_pool) -> None:

@@ -1,0 +1,72 @@
+"""Integrity mode for bf16 index-K pages moved by HiCache (``DSV4_SM120_INDEX_K_CHECKSUM=1``).
+
+A page that comes back from host with a few wrong bytes does not crash
+anything: it silently changes the indexer's discrete top-512 selection and the
+output degrades into "token salad". In integrity mode every index-K page row is
+checksummed when it is backed up (before the copy is issued, on the same
+stream, so the sum is of what the device held when the backup started) and
+checked again right after it is loaded back. A mismatch increments
+:data:`COUNTERS` ``["mismatches"]``, logs layer, host page and device page, and
+raises :class:`IndexKCorruption` instead of letting the forward read the page.
+
+The checksum is the kernels area's ``page_checksum`` (Triton on CUDA, its torch
+reference elsewhere). The check needs the comparison on the host, so it
+synchronizes the load stream once per loaded layer: this is a diagnostic mode.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("dsv4_sm120.index_k.integrity")
+
+# Process-wide counters, read by tests and by whoever exports metrics.
+COUNTERS = {"pages_recorded": 0, "pages_checked": 0, "mismatches": 0}
+
+
+class IndexKCorruption(RuntimeError):
+    """A bf16 index-K page loaded back from host differs from the page that was backed up."""
+
+
+def _checksum(rows: torch.Tensor) -> torch.Tensor:
+    from dsv4_sm120.kernels.page_checksum import page_checksum
+
+    return page_checksum(rows)
+
+
+class PageLedger:
+    """Expected checksum of every (layer, host page) of one index-K host mirror."""
+
+    def __init__(self, num_layers: int, num_host_pages: int, device):
+        self.expected = torch.zeros(num_layers, num_host_pages, dtype=torch.int64, device=device)
+        self.recorded = torch.zeros(num_layers, num_host_pages, dtype=torch.bool, device=device)
+
+    def record(self, layer: int, host_pages: torch.Tensor, device_rows: torch.Tensor) -> None:
+        """Checksum the device page rows about to be backed up into ``host_pages``."""
+        host_pages = host_pages.to(self.expected.device)
+        self.expected[layer, host_pages] = _checksum(device_rows)
+        self.recorded[layer, host_pages] = True
+        COUNTERS["pages_recorded"] += int(host_pages.numel())
+
+    def verify(self, layer: int, host_pages: torch.Tensor, device_pages: torch.Tensor,
+               loaded_rows: torch.Tensor, pool_name: str = "index_k") -> None:
+        """Compare the loaded rows with the checksums taken at backup; raise on any mismatch."""
+        host_pages = host_pages.to(self.expected.device)
+        bad = (_checksum(loaded_rows) != self.expected[layer, host_pages]) & self.recorded[layer, host_pages]
+        COUNTERS["pages_checked"] += int(host_pages.numel())
+        if not bool(bad.any()):
+            return
+        where = bad.nonzero().flatten().cpu()
+        COUNTERS["mismatches"] += int(where.numel())
+        pairs = [(int(host_pages[i]), int(device_pages[i])) for i in where[:16]]
+        for host_page, device_page in pairs:
+            logger.error("index-K checksum mismatch: pool=%s layer=%d host_page=%d device_page=%d",
+                         pool_name, layer, host_page, device_page)
+        raise IndexKCorruption(
+            f"{where.numel()} bf16 index-K page(s) of layer {layer} came back from the HiCache host "
+            f"mirror ({pool_name}) different from what was backed up (host page, device page): "
+            f"{pairs}{' ...' if where.numel() > 16 else ''}. The request that loaded them must not "
+            f"run on them. Counted in dsv4_sm120.index_k.integrity.COUNTERS['mismatches']."
+        )
