@@ -276,9 +276,27 @@ MANIFEST: tuple[Touch, ...] = (
     ),
     Touch(
         "sglang.srt.mem_cache.memory_pool_host.DeepSeekV4PagedHostPool",
+        "subclass",
+        "hicache",
+        "BF16IndexKHostPool: the built bf16 index-K mirror (16384 B items), adopted after upstream builds it.",
+    ),
+    Touch(
+        "sglang.srt.mem_cache.memory_pool_host.DeepSeekV4PagedHostPool.backup_from_device_all_layer",
+        "subclass",
+        "hicache",
+        "Integrity mode checksums each index-K page row before its backup copy is issued.",
+    ),
+    Touch(
+        "sglang.srt.mem_cache.memory_pool_host.DeepSeekV4PagedHostPool.load_to_device_per_layer",
+        "subclass",
+        "hicache",
+        "Integrity mode verifies each index-K page row right after its load-back copy.",
+    ),
+    Touch(
+        "sglang.srt.mem_cache.hicache_storage.PoolName.DEEPSEEK_V4_C4_INDEXER",
         "calls",
         "hicache",
-        "The host mirror of the bf16 index-K page rows (16384 B items).",
+        "Finds the index-K host pool in the built stack.",
     ),
     # --- guard: overlap-loop collective guard (patches/ + dsv4_sm120.guard) ---
     Touch(

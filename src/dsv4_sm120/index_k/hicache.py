@@ -42,7 +42,7 @@ def _strategy_class():
     from dsv4_sm120.index_k.pool import BF16IndexKPool
 
     class BF16IndexKStackStrategy(_DeepSeekV4Strategy):
-        """Upstream's DSV4 HiCache stack with the bf16 index-K mirror page-aligned only."""
+        """Upstream's DSV4 HiCache stack; its bf16 index-K mirror page-aligned only (and checksummed)."""
 
         def matches(self, kvcache, components):
             pools = getattr(kvcache, "index_pools", None) or {}
