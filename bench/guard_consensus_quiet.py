@@ -1,0 +1,272 @@
+"""Cost of the collective guard's own per-iteration call on a quiet host, gloo, TP = 2, 4, 8.
+
+Why this exists beside ``bench/guard_cpu.py``: that bench runs upstream's real patched loop, so
+it needs sglang, and on the 2-core shared dev machine one gloo collective takes about a
+millisecond, which buries a cost measured in microseconds. This one needs only torch, so it runs
+on any many-core host (the CPU of the lent H200 machine; the GPU is unused).
+
+What one iteration does, on one gloo group of ``tp`` processes over 127.0.0.1:
+
+- base (what upstream's ``event_loop_overlap_disagg_prefill`` issues every iteration while
+  requests wait in the bootstrap queue and nothing new arrives): the request broadcast with
+  ``broadcast_pyobj`` semantics (a length tensor, then the pickled bytes when non-empty; here the
+  idle case, length 0), then the bootstrap-queue poll, a MIN all-reduce of one int32 per queued
+  request (``all_reduce_flags``);
+- guard: the same, plus the exact call the patch adds between the two,
+  ``dsv4_sm120.guard.loop_guard.check_iteration(scheduler, "prefill")``, on a stand-in scheduler
+  that holds ``--queued`` request ids in its bootstrap queue (the real ``snapshot.take`` and
+  ``consensus.disagreeing_fields``; the ranks agree, so no reconciliation runs).
+
+Rounds alternate base and guard (order swapped every pair) in the same processes after a warm-up
+pair; per round the slowest rank's time per iteration counts (collectives make ranks wait for each
+other); figures are medians over rounds. It does NOT run sglang's loop, a scheduler, a model or a
+serving workload: only the guard's collectives against the collectives they sit between.
+
+    python bench/guard_consensus_quiet.py --out bench/results/guard_quiet_h200host_$(date -u +%F).json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import pickle
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+# Only the guard's torch-only modules are imported (no sglang, no plugin registration).
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def broadcast_pyobj(data: list, rank: int, group, src: int = 0) -> list:
+    """``broadcast_pyobj`` semantics on CPU: length tensor, then the pickled bytes if non-empty."""
+    import torch
+    import torch.distributed as dist
+
+    if rank == src:
+        payload = pickle.dumps(data) if data else b""
+        dist.broadcast(torch.tensor([len(payload)], dtype=torch.long), src=src, group=group)
+        if payload:
+            dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=src, group=group)
+        return data
+    size = torch.zeros(1, dtype=torch.long)
+    dist.broadcast(size, src=src, group=group)
+    n = int(size.item())
+    if n == 0:
+        return []
+    buf = torch.empty(n, dtype=torch.uint8)
+    dist.broadcast(buf, src=src, group=group)
+    return pickle.loads(buf.numpy().tobytes())
+
+
+def poll_min_all_reduce(polls: list[int], group) -> list[int]:
+    """The bootstrap-queue poll: MIN all-reduce of one int32 per queued request."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(polls, dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return t.tolist()
+
+
+def stand_in_scheduler(rank: int, group, queued: int) -> SimpleNamespace:
+    """The attributes ``loop_guard.check_iteration`` and ``snapshot.take`` read, and nothing else."""
+    reqs = [SimpleNamespace(rid=f"{i:032x}", http_worker_ipc=None) for i in range(queued)]
+    return SimpleNamespace(
+        attn_tp_cpu_group=group,
+        attn_cp_cpu_group=None,
+        tp_rank=rank,
+        metrics_reporter=None,
+        disagg_prefill_bootstrap_queue=SimpleNamespace(queue=reqs),
+        waiting_queue=[],
+        disagg_prefill_inflight_queue=[],
+        last_batch=None,
+        chunked_req=None,
+        result_queue=[],
+        _deferred_input_requests=[],
+    )
+
+
+def _worker(rank: int, tp: int, port: int, args: dict, results) -> None:
+    os.environ["DSV4_SM120_COLLECTIVE_GUARD"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    from dsv4_sm120.guard import loop_guard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+    group = dist.new_group(list(range(tp)), backend="gloo")  # like upstream's TP CPU group
+    sched = stand_in_scheduler(rank, group, args["queued"])
+    polls = [1] * args["queued"]  # KVPoll.WaitingForInput: still bootstrapping
+
+    # self-check once: a non-empty broadcast round-trips, the poll reduces, the guard agrees
+    assert broadcast_pyobj([{"rid": "x"}] if rank == 0 else [], rank, group) == [{"rid": "x"}]
+    assert poll_min_all_reduce([rank + 1] * 3, group) == [1, 1, 1]
+    loop_guard.check_iteration(sched, "prefill")
+    assert sched._dsv4_guard.groups == [group], "guard is not active on the group"
+
+    def run(guard: bool, iters: int) -> tuple[float, float]:
+        inside = 0.0
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            broadcast_pyobj([], rank, group)  # ingest_requests: nothing new arrived
+            if guard:
+                g0 = time.perf_counter()
+                loop_guard.check_iteration(sched, "prefill")
+                inside += time.perf_counter() - g0
+            poll_min_all_reduce(polls, group)  # pop_bootstrapped
+        return (time.perf_counter() - t0) / iters * 1e6, inside / iters * 1e6
+
+    for guard in (False, True):
+        run(guard, args["warmup"])
+    rounds = []
+    for i in range(args["rounds"]):
+        for guard in ((False, True) if i % 2 == 0 else (True, False)):
+            us, inside = run(guard, args["iters"])
+            rounds.append({"guard": guard, "us": us, "inside_us": inside})
+    c = loop_guard.counters
+    assert c.divergences_seen == 0 and c.fail_fasts == 0, f"ranks disagreed during the bench: {c.line()}"
+    per_rank = [None] * tp
+    dist.all_gather_object(per_rank, rounds, group=group)
+    if rank == 0:
+        results.put(per_rank)
+    dist.barrier(group=group)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(tp: int, args: dict) -> dict:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, tp, port, args, results)) for r in range(tp)]
+    for p in procs:
+        p.start()
+    try:
+        per_rank = results.get(timeout=args["timeout_s"])
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad:
+        raise SystemExit(f"TP={tp}: worker exit codes {bad}")
+    base, guard, inside = [], [], []
+    for j, first in enumerate(per_rank[0]):
+        slowest = max(rank_rounds[j]["us"] for rank_rounds in per_rank)
+        (guard if first["guard"] else base).append(slowest)
+        if first["guard"]:
+            inside.append(statistics.median(rank_rounds[j]["inside_us"] for rank_rounds in per_rank))
+    row = {
+        "tp": tp,
+        "us_per_iter_guard": round(statistics.median(guard), 2),
+        "us_per_iter_base": round(statistics.median(base), 2),
+    }
+    row["guard_cost_us"] = round(row["us_per_iter_guard"] - row["us_per_iter_base"], 2)
+    row["ratio"] = round(row["us_per_iter_guard"] / row["us_per_iter_base"], 3)
+    row["us_inside_guard_call"] = round(statistics.median(inside), 2)
+    row["rounds_guard_us"] = [round(x, 2) for x in guard]
+    row["rounds_base_us"] = [round(x, 2) for x in base]
+    return row
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _commit(given: str | None) -> str:
+    if given:
+        return given
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip() or "unknown (no git checkout; pass --commit)"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--iters", type=int, default=4000, help="loop iterations per round")
+    ap.add_argument("--rounds", type=int, default=9, help="base/guard round pairs per TP size")
+    ap.add_argument("--warmup", type=int, default=500, help="iterations of each kind before timing")
+    ap.add_argument("--queued", type=int, default=16, help="request ids in the bootstrap queue")
+    ap.add_argument("--timeout-s", type=float, default=300.0, help="per TP size")
+    ap.add_argument("--commit", default=None, help="commit measured (when run outside a git checkout)")
+    ap.add_argument("--device", default=None, help="host description prefix, e.g. where it ran")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    if min(a.tp) < 2:
+        ap.error("--tp sizes must be >= 2: the guard does nothing on a single rank")
+    import torch
+
+    args = {"iters": a.iters, "rounds": a.rounds, "warmup": a.warmup, "queued": a.queued, "timeout_s": a.timeout_s}
+    load_start = os.getloadavg()
+    rows = []
+    for tp in a.tp:
+        row = measure(tp, args)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if not k.startswith("rounds_")}), flush=True)
+    cores = os.cpu_count()
+    host = (
+        f"{a.device + '; ' if a.device else ''}CPU only: {_cpu_model()}, os.cpu_count()={cores}, "
+        f"{len(os.sched_getaffinity(0))} usable; GPU unused; gloo over 127.0.0.1"
+    )
+    out = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "device": host,
+        "commit": _commit(a.commit),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "method": (
+            "Per TP size, tp spawned processes on one gloo group over 127.0.0.1. One iteration: base = "
+            "broadcast_pyobj-equivalent request broadcast (idle: length tensor 0) + bootstrap poll MIN "
+            f"all-reduce of {a.queued} int32; guard = base + dsv4_sm120.guard.loop_guard.check_iteration"
+            f"(stand-in scheduler with {a.queued} request ids in the bootstrap queue, ranks agreeing) between "
+            f"the two, as the patch places it. {a.warmup} warm-up iterations of each, then {a.rounds} pairs of "
+            f"{a.iters}-iteration rounds alternating base/guard (order swapped each pair). Per round: the slowest "
+            "rank's time per iteration; figures: medians over rounds; guard_cost_us = guard - base; "
+            "us_inside_guard_call = median over ranks of time inside the call (includes waiting for the "
+            "slowest rank). Not sglang's loop, no scheduler, no model, no serving."
+        ),
+        "goal": "guard cost <= 100 us per iteration at TP=8",
+        "iters_per_round": a.iters,
+        "rounds": a.rounds,
+        "warmup_iters": a.warmup,
+        "queued_requests": a.queued,
+        "load_average_start": load_start,
+        "load_average_end": os.getloadavg(),
+        "tp": [r["tp"] for r in rows],
+        "us_per_iter_guard": [r["us_per_iter_guard"] for r in rows],
+        "us_per_iter_base": [r["us_per_iter_base"] for r in rows],
+        "results": rows,
+    }
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
