@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 
 ABORT_POINTS = ("before_metadata", "bootstrapped", "transfer", "unknown_room")
+PAGES_PER_SESSION = 4
 
 
 @dataclass
@@ -64,11 +65,11 @@ def storm_round(h, index: int, *, sessions: int, fresh: int, foreign: int, wait_
             for _ in range(foreign):
                 h.push_raw(FOREIGN_FRAME)
         if point == "unknown_room":  # the prefill never opens this request
-            s = h.open(prefill=False)
+            s = h.open(PAGES_PER_SESSION, prefill=False)
             h.abort(s)
             late.append(s)
         else:
-            s = h.open()
+            s = h.open(PAGES_PER_SESSION)
             s.abort_at = point
             if point == "before_metadata":
                 h.abort(s)
@@ -90,7 +91,7 @@ def storm_round(h, index: int, *, sessions: int, fresh: int, foreign: int, wait_
     h.run(storm, wait_s)
     storm_end = time.monotonic()
 
-    batch = [h.open() for _ in range(fresh)]
+    batch = [h.open(PAGES_PER_SESSION) for _ in range(fresh)]
     for s in batch:
         h.send_metadata(s)
     h.run(batch, wait_s)
@@ -115,7 +116,9 @@ def run_storm(*, sessions: int = 80, rounds: int = 3, fresh: int = 8, foreign: i
 
     from dsv4_sm120.disagg.loopback import LoopbackPD
 
-    h = harness or LoopbackPD(hardened=not baseline, seed=seed)
+    # A wedged round abandons its requests' decode pages (never reused): size the pool for every round.
+    pages = max(8192, (sessions + fresh) * PAGES_PER_SESSION * (rounds + 1))
+    h = harness or LoopbackPD(hardened=not baseline, seed=seed, pages=pages, aux_slots=pages // PAGES_PER_SESSION)
     rng = np.random.default_rng(seed)
     results = []
     try:
