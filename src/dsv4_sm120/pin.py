@@ -298,6 +298,24 @@ MANIFEST: tuple[Touch, ...] = (
         "hicache",
         "Finds the index-K host pool in the built stack.",
     ),
+    Touch(
+        "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill",
+        "around",
+        "hicache",
+        "Integrity mode fails the requests whose prefix reads an index-K page that came back corrupt.",
+    ),
+    Touch(
+        "sglang.srt.managers.schedule_batch.FINISH_ABORT",
+        "calls",
+        "hicache",
+        "The failed request's discard_output_reason (upstream's path for KV that never landed).",
+    ),
+    Touch(
+        "sglang.srt.managers.scheduler.Scheduler.process_pending_chunked_abort",
+        "calls",
+        "hicache",
+        "Relied on: a chunked request failed by integrity mode is set as _pending_chunked_abort_req.",
+    ),
     # --- guard: overlap-loop collective guard (patches/ + dsv4_sm120.guard) ---
     Touch(
         "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.event_loop_overlap_disagg_prefill",

@@ -1,21 +1,23 @@
 """Hooks of the bf16 index-K area (issue #4).
 
-All three are registered unconditionally and decide when called, from
+All four are registered unconditionally and decide when called, from
 ``--model-impl`` and ``DSV4_SM120_INDEX_K_DTYPE``, whether to act; with any
-other model impl or with ``fp8`` they call upstream unchanged. Hook bodies
+other model impl or with ``fp8`` they call upstream unchanged (the request-failure
+hook acts only once integrity mode has quarantined a page). Hook bodies
 import upstream lazily: registering costs nothing.
 """
 
 from __future__ import annotations
 
 from dsv4_sm120.hooks import hook
-from dsv4_sm120.index_k import builder, pd, planner
+from dsv4_sm120.index_k import builder, pd, planner, request_fail
 from dsv4_sm120.settings import Settings
 
 
 def register(cfg: Settings) -> None:
-    """Register the pool builder, planner and PD handshake hooks (the HiCache strategy
-    is registered by the pool itself, when a bf16 pool is built)."""
+    """Register the pool builder, planner, PD handshake and integrity-mode request-failure
+    hooks (the HiCache strategy is registered by the pool itself, when a bf16 pool is built)."""
     hook(builder.TARGET, builder.build_dsv4_kv_pool)
     hook(planner.TARGET, planner.indexer_bytes_per_token)
     hook(pd.TARGET, pd.try_ensure_parallel_info)
+    hook(request_fail.TARGET, request_fail.get_new_batch_prefill)

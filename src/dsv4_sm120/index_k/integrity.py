@@ -7,7 +7,9 @@ checksummed when it is backed up (before the copy is issued, on the same
 stream, so the sum is of what the device held when the backup started) and
 checked again right after it is loaded back. A mismatch increments
 :data:`COUNTERS` ``["mismatches"]``, logs layer, host page and device page, and
-raises :class:`IndexKCorruption` instead of letting the forward read the page.
+quarantines the device page (:mod:`.request_fail`), which fails the requests
+whose prefix reads it instead of letting them run on it. Nothing is raised from
+the load: it runs inside the scheduler's step, for all admitted requests at once.
 
 The checksum is the kernels area's ``page_checksum`` (Triton on CUDA, its torch
 reference elsewhere). The check needs the comparison on the host, so it
@@ -23,11 +25,7 @@ import torch
 logger = logging.getLogger("dsv4_sm120.index_k.integrity")
 
 # Process-wide counters, read by tests and by whoever exports metrics.
-COUNTERS = {"pages_recorded": 0, "pages_checked": 0, "mismatches": 0}
-
-
-class IndexKCorruption(RuntimeError):
-    """A bf16 index-K page loaded back from host differs from the page that was backed up."""
+COUNTERS = {"pages_recorded": 0, "pages_checked": 0, "mismatches": 0, "requests_failed": 0}
 
 
 def _checksum(rows: torch.Tensor) -> torch.Tensor:
@@ -51,22 +49,25 @@ class PageLedger:
         COUNTERS["pages_recorded"] += int(host_pages.numel())
 
     def verify(self, layer: int, host_pages: torch.Tensor, device_pages: torch.Tensor,
-               loaded_rows: torch.Tensor, pool_name: str = "index_k") -> None:
-        """Compare the loaded rows with the checksums taken at backup; raise on any mismatch."""
+               loaded_rows: torch.Tensor, pool_name: str = "index_k") -> list:
+        """Compare the loaded rows with the checksums taken at backup; quarantine and return the bad pages."""
+        from dsv4_sm120.index_k.request_fail import QUARANTINE, CorruptPage
+
+        if layer == 0 and QUARANTINE.pages:
+            # A load writes every layer of its device pages, first layer first: whatever was
+            # quarantined there is overwritten; this load's own mismatches quarantine them again.
+            QUARANTINE.clear(device_pages.cpu().tolist())
         host_pages = host_pages.to(self.expected.device)
         bad = (_checksum(loaded_rows) != self.expected[layer, host_pages]) & self.recorded[layer, host_pages]
         COUNTERS["pages_checked"] += int(host_pages.numel())
+        bad = bad.cpu()
         if not bool(bad.any()):
-            return
-        where = bad.nonzero().flatten().cpu()
+            return []
+        where = bad.nonzero().flatten()
         COUNTERS["mismatches"] += int(where.numel())
-        pairs = [(int(host_pages[i]), int(device_pages[i])) for i in where[:16]]
-        for host_page, device_page in pairs:
+        found = [CorruptPage(pool_name, layer, int(host_pages[i]), int(device_pages[i])) for i in where]
+        for page in found:
             logger.error("index-K checksum mismatch: pool=%s layer=%d host_page=%d device_page=%d",
-                         pool_name, layer, host_page, device_page)
-        raise IndexKCorruption(
-            f"{where.numel()} bf16 index-K page(s) of layer {layer} came back from the HiCache host "
-            f"mirror ({pool_name}) different from what was backed up (host page, device page): "
-            f"{pairs}{' ...' if where.numel() > 16 else ''}. The request that loaded them must not "
-            f"run on them. Counted in dsv4_sm120.index_k.integrity.COUNTERS['mismatches']."
-        )
+                         page.pool, page.layer, page.host_page, page.device_page)
+            QUARANTINE.report(page)
+        return found

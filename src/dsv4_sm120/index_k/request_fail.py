@@ -1,0 +1,137 @@
+"""Fail only the requests that loaded a corrupt bf16 index-K page (integrity mode).
+
+HiCache merges the load-backs of every request admitted in one scheduling step
+into one host-to-device operation, and the host pool that verifies the pages
+(``BF16IndexKHostPool.load_to_device_per_layer``) knows pages, not requests. A
+mismatch raised from there would leave the scheduler's load path (taking the
+scheduler down, or being swallowed somewhere above it) and would name no
+request. So the ledger only *reports* a bad page here (:data:`QUARANTINE`), and
+this module attributes it when the step's prefill batch is complete: the AROUND
+hook on ``Scheduler.get_new_batch_prefill`` looks at each request's prefix row
+in ``req_to_token`` — exactly the device slots the forward will read — and a
+request whose prefix covers a quarantined page is failed with upstream's own
+"KV never landed" mechanism: ``discard_output_reason`` (a ``FINISH_ABORT`` the
+result processor finishes it with, dropping that forward's output) and
+``skip_radix_cache_insert`` (its KV never enters the tree). Other requests of
+the batch run on.
+
+A quarantined device page stays quarantined, so a later request whose prefix
+still matches the tree node that holds it is failed too, until the page is
+handed out again by the allocator (it then appears among a batch's freshly
+allocated slots, ``out_cache_loc``) or a new load-back is written into it. The
+host copy needs no bookkeeping: the ledger keeps the checksum it expects, so
+every later load of that host page mismatches again, until a new backup
+rewrites the page.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from http import HTTPStatus
+
+from dsv4_sm120.index_k import layout
+
+TARGET = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
+COMPRESS_RATIO = 4  # C4: one compressed index slot per 4 tokens
+TOKENS_PER_INDEX_PAGE = layout.SLOTS_PER_PAGE * COMPRESS_RATIO  # 256: one tree page
+
+logger = logging.getLogger("dsv4_sm120.index_k.request_fail")
+
+
+@dataclass(frozen=True)
+class CorruptPage:
+    """One bf16 index-K page row that came back from host unlike its backup."""
+
+    pool: str
+    layer: int
+    host_page: int
+    device_page: int
+
+
+class Quarantine:
+    """Device pages whose index-K rows are known bad, with the first bad record of each."""
+
+    def __init__(self):
+        self.pages: dict[int, CorruptPage] = {}
+        self.unattributed: set[int] = set()
+
+    def report(self, page: CorruptPage) -> None:
+        self.pages.setdefault(page.device_page, page)
+        self.unattributed.add(page.device_page)
+
+    def clear(self, device_pages) -> None:
+        """These device pages now hold new bytes (reallocated, or a clean load landed)."""
+        for page in device_pages:
+            self.pages.pop(int(page), None)
+            self.unattributed.discard(int(page))
+
+
+QUARANTINE = Quarantine()
+
+
+def _pages(slots) -> set[int]:
+    """Device index-K pages of a tensor of FULL token slots."""
+    return set((slots.long() // TOKENS_PER_INDEX_PAGE).unique().tolist())
+
+
+def abort_message(rid: str, bad: list[CorruptPage]) -> str:
+    where = ", ".join(f"device page {p.device_page} (host page {p.host_page}) layer {p.layer}" for p in bad[:8])
+    more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+    return (
+        f"Request {rid} failed: bf16 index-K checksum mismatch on HiCache load-back: {where}{more} "
+        f"came back from the host mirror ({bad[0].pool}) different from what was backed up. "
+        f"Caught by DSV4_SM120_INDEX_K_CHECKSUM=1; the request was not allowed to run on the corrupt "
+        f"page. Retry it: the page is quarantined and will be recomputed."
+    )
+
+
+def fail_affected_requests(batch) -> list:
+    """Fail every request of a prepared prefill batch whose prefix covers a quarantined page.
+
+    Returns the failed requests; the caller (the hook) hands a chunked one to the
+    scheduler's deferred chunked abort, as upstream does for a failed KV load.
+    """
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    from dsv4_sm120.index_k.integrity import COUNTERS
+
+    if batch.out_cache_loc is not None:
+        QUARANTINE.clear(_pages(batch.out_cache_loc))
+    if not QUARANTINE.pages:
+        return []
+    rows = batch.req_to_token_pool.req_to_token
+    row_of = batch.req_pool_indices_cpu if batch.req_pool_indices_cpu is not None else batch.req_pool_indices
+    failed = []
+    for i, req in enumerate(batch.reqs):
+        prefix = rows[int(row_of[i]), : int(batch.prefix_lens[i])]
+        bad = [QUARANTINE.pages[p] for p in sorted(_pages(prefix) & QUARANTINE.pages.keys())]
+        if not bad:
+            continue
+        QUARANTINE.unattributed.difference_update(p.device_page for p in bad)
+        message = abort_message(req.rid, bad)
+        req.discard_output_reason = FINISH_ABORT(message, HTTPStatus.INTERNAL_SERVER_ERROR)
+        req.skip_radix_cache_insert = True
+        COUNTERS["requests_failed"] += 1
+        for p in bad:
+            logger.error("index-K checksum mismatch fails request rid=%s: pool=%s layer=%d host_page=%d "
+                         "device_page=%d", req.rid, p.pool, p.layer, p.host_page, p.device_page)
+        failed.append(req)
+    if QUARANTINE.unattributed:
+        logger.error("index-K checksum mismatch on device page(s) %s that no request of this prefill batch "
+                     "reads; they stay quarantined", sorted(QUARANTINE.unattributed))
+        QUARANTINE.unattributed.clear()
+    return failed
+
+
+def get_new_batch_prefill(original, scheduler, *args, **kwargs):
+    """AROUND hook: after the step's load-backs were issued and verified, fail the requests they corrupted."""
+    plan = original(scheduler, *args, **kwargs)
+    batch = plan.batch_to_run
+    if batch is None or not QUARANTINE.pages:
+        return plan
+    for req in fail_affected_requests(batch):
+        if req is scheduler.chunked_req:
+            # Upstream's path for a chunked request whose KV load failed: stop its next chunk.
+            scheduler._pending_chunked_abort_req = req
+    return plan

@@ -1,0 +1,152 @@
+"""Integrity mode fails only the request whose prefix reads a page that came back corrupt.
+
+The real bf16 HiCache stack (``stacks``), the CPU page movers of test_hicache
+(the CUDA copy kernels do not exist on CPU), the real ``req_to_token`` pool from
+``configure()``, real ``Req``/``ScheduleBatch`` objects, and the real
+``Scheduler.get_new_batch_prefill`` with the hooks applied by upstream's
+HookRegistry. Replaced: the scheduler's admission (``_get_new_batch_prefill_raw``:
+it needs a model runner and a radix tree) returns a prepared batch whose rows
+hold the prefixes, as ``prepare_for_extend`` writes them; and the HiCache load
+is driven layer by layer as ``L2TransferEngine.submit_host_to_device`` does.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+
+import pytest
+import torch
+
+import cpu_page_mover
+from pool_harness import SLOTS_PER_FULL_PAGE
+from test_hicache import index_host
+
+HOST_PAGES = [6, 7, 8]
+BACKED_UP_FROM = [10, 11, 12]
+CORRUPT_HOST_PAGE, CORRUPT_LAYER = 7, 1
+
+
+def _slots(pages):
+    return cpu_page_mover.pages_to_slots(torch.as_tensor(pages), SLOTS_PER_FULL_PAGE)
+
+
+@pytest.fixture
+def stack(stacks, monkeypatch, request):
+    """The bf16 stack (checksummed or not), its pages backed up, one host byte flipped."""
+    from dsv4_sm120.index_k.request_fail import QUARANTINE
+
+    result, built, _ = stacks("layer_first", checksum=request.param)
+    host, device_pool = index_host(built), result.token_to_kv_pool.c4_indexer_kv_pool
+    cpu_page_mover.install(monkeypatch, host)
+    QUARANTINE.pages.clear()
+    gen = torch.Generator().manual_seed(11)
+    for buf in host.device_buffers:
+        buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
+    host.backup_from_device_all_layer(device_pool, _slots(HOST_PAGES), _slots(BACKED_UP_FROM), "kernel")
+    host.kv_buffer[CORRUPT_LAYER][CORRUPT_HOST_PAGE][1000] ^= 0x01
+    yield result, host, device_pool
+    QUARANTINE.pages.clear()
+
+
+def _load(host, device_pool, host_pages, device_pages):
+    """One HiCache load-back, layer by layer, as the L2 transfer engine issues it."""
+    for layer in range(host.layer_num):
+        host.load_to_device_per_layer(device_pool, _slots(host_pages), _slots(device_pages), layer, "kernel")
+
+
+def _step(result, prefixes: dict[str, list[int]], fresh_pages=()):
+    """One scheduling step through the hooked Scheduler.get_new_batch_prefill.
+
+    ``prefixes``: rid -> device pages its prefix reads; ``fresh_pages``: pages the
+    step allocates (its ``out_cache_loc``). Returns the requests by rid.
+    """
+    from sglang.srt.managers.schedule_batch import NextBatchPlan, Req, ScheduleBatch
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    pool = result.req_to_token_pool
+    reqs, rows, lens = [], [], []
+    for row, (rid, pages) in enumerate(prefixes.items()):
+        req = Req(rid, "", array("q", [1] * (len(pages) + 1) * SLOTS_PER_FULL_PAGE), SamplingParams())
+        pool.req_to_token[row, : len(pages) * SLOTS_PER_FULL_PAGE] = _slots(pages).to(pool.req_to_token.dtype)
+        reqs.append(req)
+        rows.append(row)
+        lens.append(len(pages) * SLOTS_PER_FULL_PAGE)
+    batch = ScheduleBatch(reqs=reqs, req_to_token_pool=pool, device="cpu")
+    batch.req_pool_indices_cpu = torch.tensor(rows)
+    batch.prefix_lens = lens
+    batch.out_cache_loc = _slots(list(fresh_pages)) if fresh_pages else torch.empty(0, dtype=torch.int64)
+
+    scheduler = object.__new__(Scheduler)
+    scheduler.prefill_delayer = None
+    scheduler.chunked_req = None
+    scheduler._pending_chunked_abort_req = None
+    running = ScheduleBatch(reqs=[], device="cpu")
+    # Replaced: admission (see the module docstring); the hook wraps the real method around it.
+    scheduler._get_new_batch_prefill_raw = lambda **kwargs: (batch, kwargs["running_batch"])
+    plan = Scheduler.get_new_batch_prefill(scheduler, running)
+    assert isinstance(plan, NextBatchPlan) and plan.batch_to_run is batch
+    return {req.rid: req for req in reqs}
+
+
+@pytest.mark.parametrize("stack", [True], indirect=True)
+def test_corrupt_load_back_fails_only_the_request_that_reads_it(stack, caplog):
+    from dsv4_sm120.index_k.integrity import COUNTERS
+
+    result, host, device_pool = stack
+    before = dict(COUNTERS)
+    with caplog.at_level(logging.ERROR, logger="dsv4_sm120"):
+        _load(host, device_pool, HOST_PAGES, [20, 21, 22])  # no exception out of the load path
+        reqs = _step(result, {"hit": [20, 21], "same-load-other-page": [20], "other": [30, 31], "none": []})
+
+    assert COUNTERS["mismatches"] - before["mismatches"] == 1
+    assert COUNTERS["requests_failed"] - before["requests_failed"] == 1
+    reason = reqs["hit"].discard_output_reason
+    assert reason is not None and reason.status_code == 500 and reqs["hit"].skip_radix_cache_insert
+    for needle in ("Request hit failed", "index-K checksum mismatch", "device page 21 (host page 7) layer 1",
+                   "DSV4_SM120_INDEX_K_CHECKSUM=1"):
+        assert needle in reason.to_json()["message"]
+    for rid in ("same-load-other-page", "other", "none"):
+        assert reqs[rid].discard_output_reason is None and not reqs[rid].skip_radix_cache_insert
+    assert "fails request rid=hit: pool=" in caplog.text and "layer=1 host_page=7 device_page=21" in caplog.text
+
+
+@pytest.mark.parametrize("stack", [True], indirect=True)
+def test_the_corrupt_page_is_not_served_again(stack):
+    """Neither its device copy (still in the tree) nor its host copy reaches a request unnoticed."""
+    from dsv4_sm120.index_k.integrity import COUNTERS
+
+    result, host, device_pool = stack
+    _load(host, device_pool, HOST_PAGES, [20, 21, 22])
+    assert _step(result, {"first": [21]})["first"].discard_output_reason is not None
+    # a later request matching the same device copy
+    assert _step(result, {"later-device-hit": [20, 21, 22]})["later-device-hit"].discard_output_reason is not None
+    # the host copy loaded again, into other device pages
+    mismatches = COUNTERS["mismatches"]
+    _load(host, device_pool, HOST_PAGES, [40, 41, 42])
+    assert COUNTERS["mismatches"] == mismatches + 1
+    reqs = _step(result, {"later-host-hit": [41], "clean": [40, 42]})
+    assert reqs["later-host-hit"].discard_output_reason is not None and reqs["clean"].discard_output_reason is None
+    # once page 21 is handed out again (it shows up among a step's new slots) it is no longer suspect
+    assert _step(result, {"reuse": [21]}, fresh_pages=[21])["reuse"].discard_output_reason is None
+    # a new backup into the host page replaces the bytes the ledger expects
+    host.backup_from_device_all_layer(device_pool, _slots([CORRUPT_HOST_PAGE]), _slots([50]), "kernel")
+    _load(host, device_pool, [CORRUPT_HOST_PAGE], [41])
+    assert COUNTERS["mismatches"] == mismatches + 1
+    assert _step(result, {"after-rebackup": [41]})["after-rebackup"].discard_output_reason is None
+
+
+@pytest.mark.parametrize("stack", [False], indirect=True)
+def test_without_the_mode_the_corruption_reaches_the_request_silently(stack):
+    """The control: checksum off, the same planted byte is served to the request and nothing fails."""
+    from dsv4_sm120.index_k.integrity import COUNTERS
+
+    result, host, device_pool = stack
+    before = dict(COUNTERS)
+    backed_up = host.device_buffers[CORRUPT_LAYER][BACKED_UP_FROM[1]].clone()
+    _load(host, device_pool, HOST_PAGES, [20, 21, 22])
+    reqs = _step(result, {"hit": [20, 21], "other": [30]})
+    assert int((host.device_buffers[CORRUPT_LAYER][21] != backed_up).sum()) == 1
+    assert all(req.discard_output_reason is None for req in reqs.values())
+    assert COUNTERS == before
