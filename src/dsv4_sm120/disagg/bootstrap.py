@@ -162,6 +162,15 @@ class HardenedBootstrap:
     def _abort(self, frames: list) -> None:
         from sglang.srt.disaggregation.common.conn import AbortNotification
 
+        # Checked here first: upstream's parser logs every malformed ABORT unthrottled.
+        if len(frames) < 2:
+            raise FrameRejected("bad abort", "ABORT without a room")
+        _int(_ascii(frames[1], "ABORT room"), "ABORT room")
+        if len(frames) >= 4:
+            _ascii(frames[2], "ABORT return host")
+            _int(_ascii(frames[3], "ABORT return port"), "ABORT return port")
+        if len(frames) >= 5:
+            _int(_ascii(frames[4], "ABORT generation"), "ABORT generation")
         notification = AbortNotification.from_zmq(frames)
         if notification is None:
             raise FrameRejected("bad abort", f"ABORT with {len(frames)} parts carries no integer room")

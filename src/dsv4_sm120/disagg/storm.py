@@ -194,6 +194,11 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"abort-storm: --{name} must be at least 1, got {getattr(args, name)}", file=sys.stderr)
             return 2
+    try:
+        import nixl  # noqa: F401 - the harness runs real NIXL agents
+    except ImportError:
+        print("abort-storm: NIXL is not installed; `pip install nixl==1.5.1` (runs on CPU too)", file=sys.stderr)
+        return 2
     if args.baseline:
         os.environ["DSV4_SM120_NIXL_HARDENING"] = "0"
     with _stdout_to_stderr() as out:
