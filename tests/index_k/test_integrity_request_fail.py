@@ -13,6 +13,7 @@ is driven layer by layer as ``L2TransferEngine.submit_host_to_device`` does.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 from array import array
 
 import pytest
@@ -55,7 +56,7 @@ def _load(host, device_pool, host_pages, device_pages):
         host.load_to_device_per_layer(device_pool, _slots(host_pages), _slots(device_pages), layer, "kernel")
 
 
-def _step(result, prefixes: dict[str, list[int]], fresh_pages=()):
+def _step(result, prefixes: dict[str, list[int]], fresh_pages=(), tree_cache=None):
     """One scheduling step through the hooked Scheduler.get_new_batch_prefill.
 
     ``prefixes``: rid -> device pages its prefix reads; ``fresh_pages``: pages the
@@ -81,6 +82,7 @@ def _step(result, prefixes: dict[str, list[int]], fresh_pages=()):
     scheduler = object.__new__(Scheduler)
     scheduler.prefill_delayer = None
     scheduler.chunked_req = None
+    scheduler.tree_cache = tree_cache
     scheduler._pending_chunked_abort_req = None
     running = ScheduleBatch(reqs=[], device="cpu")
     # Replaced: admission (see the module docstring); the hook wraps the real method around it.
@@ -135,6 +137,51 @@ def test_the_corrupt_page_is_not_served_again(stack):
     _load(host, device_pool, [CORRUPT_HOST_PAGE], [41])
     assert COUNTERS["mismatches"] == mismatches + 1
     assert _step(result, {"after-rebackup": [41]})["after-rebackup"].discard_output_reason is None
+
+
+def _tp_rank(rank, port, result, host, device_pool, conn):
+    """One TP rank: rank 0 loads the corrupt host page into device page 21, rank 1 an intact one."""
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    torch.set_num_threads(1)  # the parent's intra-op thread pool does not survive the fork
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        # (the host buffer is shared memory, so rank 1 loads another, intact host page into page 21)
+        _load(host, device_pool, HOST_PAGES if rank == 0 else [6, 8, 8], [20, 21, 22])
+        # The real tree class, built without its constructor: only its HiCache groups are used.
+        tree = object.__new__(UnifiedRadixCache)
+        tree.attn_cp_group, tree.attn_tp_group = None, torch.distributed.group.WORLD
+        tree.tp_world_size, tree.tp_group = 2, torch.distributed.group.WORLD
+        reqs = _step(result, {"hit": [21], "other": [30]}, tree_cache=tree)
+        conn.send({rid: r.discard_output_reason and r.discard_output_reason.message for rid, r in reqs.items()})
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("stack", [True], indirect=True)
+def test_tp_ranks_fail_the_same_requests(stack):
+    """A request failed on one rank only would desynchronise the ranks: all fail it, all run the rest."""
+    import socket
+
+    result, host, device_pool = stack
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = multiprocessing.get_context("fork")  # the children reuse this process's sglang import and pools
+    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
+    procs = [ctx.Process(target=_tp_rank, args=(rank, port, result, host, device_pool, pipes[rank][1]))
+             for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    answers = [pipes[rank][0].recv() if pipes[rank][0].poll(60) else None for rank in range(2)]
+    for proc in procs:
+        proc.join(10)
+    assert None not in answers, "a TP rank did not answer"
+    assert answers[0]["other"] is None and answers[1]["other"] is None
+    assert answers[0]["hit"] is not None, "rank 0 ran on the corrupt page"
+    assert answers[1]["hit"] is not None, "rank 1 ran the request rank 0 failed: the ranks disagree"
+    assert "device page 21 (host page 7) layer 1" in answers[0]["hit"]
+    assert "device page 21 (host page 7) layer 1" in answers[1]["hit"] and "another TP rank" in answers[1]["hit"]
 
 
 @pytest.mark.parametrize("stack", [False], indirect=True)

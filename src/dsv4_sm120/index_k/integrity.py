@@ -38,6 +38,9 @@ class PageLedger:
     """Expected checksum of every (layer, host page) of one index-K host mirror."""
 
     def __init__(self, num_layers: int, num_host_pages: int, device):
+        from dsv4_sm120.index_k.request_fail import QUARANTINE
+
+        QUARANTINE.active = True  # the scheduler hook now agrees on failed requests every prefill step
         self.expected = torch.zeros(num_layers, num_host_pages, dtype=torch.int64, device=device)
         self.recorded = torch.zeros(num_layers, num_host_pages, dtype=torch.bool, device=device)
 

@@ -53,6 +53,7 @@ class Quarantine:
     """Device pages whose index-K rows are known bad, with the first bad record of each."""
 
     def __init__(self):
+        self.active = False  # set when an integrity-mode host mirror is built in this process
         self.pages: dict[int, CorruptPage] = {}
         self.unattributed: set[int] = set()
 
@@ -86,7 +87,55 @@ def abort_message(rid: str, bad: list[CorruptPage]) -> str:
     )
 
 
-def fail_affected_requests(batch) -> list:
+def _local_findings(batch) -> list[list[CorruptPage]]:
+    """Per request of the batch, the quarantined pages its prefix row covers on this rank."""
+    if batch.out_cache_loc is not None:
+        QUARANTINE.clear(_pages(batch.out_cache_loc))
+    if not QUARANTINE.pages:
+        return [[] for _ in batch.reqs]
+    rows = batch.req_to_token_pool.req_to_token
+    row_of = batch.req_pool_indices_cpu if batch.req_pool_indices_cpu is not None else batch.req_pool_indices
+    findings = []
+    for i in range(len(batch.reqs)):
+        prefix = rows[int(row_of[i]), : int(batch.prefix_lens[i])]
+        findings.append([QUARANTINE.pages[p] for p in sorted(_pages(prefix) & QUARANTINE.pages.keys())])
+        QUARANTINE.unattributed.difference_update(p.device_page for p in findings[-1])
+    if QUARANTINE.unattributed:
+        logger.error("index-K checksum mismatch on device page(s) %s that no request of this prefill batch "
+                     "reads; they stay quarantined", sorted(QUARANTINE.unattributed))
+        QUARANTINE.unattributed.clear()
+    return findings
+
+
+def _agree(tree_cache, findings: list[list[CorruptPage]]) -> list[list[CorruptPage]]:
+    """Make every TP rank fail the same requests.
+
+    Each rank verifies only its own copy of the pages; a request failed on one
+    rank and run on the others would desynchronise the ranks' collectives. The
+    ranks MAX-reduce one row per request (failed, layer, host page, device page)
+    over the groups HiCache itself reduces its load counts on, so a rank that
+    found nothing fails the request too, naming the page another rank found.
+    """
+    import torch
+
+    reduce = getattr(tree_cache, "_all_reduce_attn_groups", None)
+    if reduce is None or not findings:
+        return findings
+    rows = torch.full((len(findings), 4), -1, dtype=torch.int64)
+    for i, bad in enumerate(findings):
+        if bad:
+            rows[i] = torch.tensor([1, bad[0].layer, bad[0].host_page, bad[0].device_page])
+    reduce(rows, torch.distributed.ReduceOp.MAX)
+    agreed = []
+    for bad, (flag, layer, host_page, device_page) in zip(findings, rows.tolist()):
+        if bad or flag < 1:
+            agreed.append(bad)
+        else:
+            agreed.append([CorruptPage("index_k mirror of another TP rank", layer, host_page, device_page)])
+    return agreed
+
+
+def fail_affected_requests(batch, tree_cache=None) -> list:
     """Fail every request of a prepared prefill batch whose prefix covers a quarantined page.
 
     Returns the failed requests; the caller (the hook) hands a chunked one to the
@@ -96,31 +145,17 @@ def fail_affected_requests(batch) -> list:
 
     from dsv4_sm120.index_k.integrity import COUNTERS
 
-    if batch.out_cache_loc is not None:
-        QUARANTINE.clear(_pages(batch.out_cache_loc))
-    if not QUARANTINE.pages:
-        return []
-    rows = batch.req_to_token_pool.req_to_token
-    row_of = batch.req_pool_indices_cpu if batch.req_pool_indices_cpu is not None else batch.req_pool_indices
     failed = []
-    for i, req in enumerate(batch.reqs):
-        prefix = rows[int(row_of[i]), : int(batch.prefix_lens[i])]
-        bad = [QUARANTINE.pages[p] for p in sorted(_pages(prefix) & QUARANTINE.pages.keys())]
+    for req, bad in zip(batch.reqs, _agree(tree_cache, _local_findings(batch))):
         if not bad:
             continue
-        QUARANTINE.unattributed.difference_update(p.device_page for p in bad)
-        message = abort_message(req.rid, bad)
-        req.discard_output_reason = FINISH_ABORT(message, HTTPStatus.INTERNAL_SERVER_ERROR)
+        req.discard_output_reason = FINISH_ABORT(abort_message(req.rid, bad), HTTPStatus.INTERNAL_SERVER_ERROR)
         req.skip_radix_cache_insert = True
         COUNTERS["requests_failed"] += 1
         for p in bad:
             logger.error("index-K checksum mismatch fails request rid=%s: pool=%s layer=%d host_page=%d "
                          "device_page=%d", req.rid, p.pool, p.layer, p.host_page, p.device_page)
         failed.append(req)
-    if QUARANTINE.unattributed:
-        logger.error("index-K checksum mismatch on device page(s) %s that no request of this prefill batch "
-                     "reads; they stay quarantined", sorted(QUARANTINE.unattributed))
-        QUARANTINE.unattributed.clear()
     return failed
 
 
@@ -128,9 +163,9 @@ def get_new_batch_prefill(original, scheduler, *args, **kwargs):
     """AROUND hook: after the step's load-backs were issued and verified, fail the requests they corrupted."""
     plan = original(scheduler, *args, **kwargs)
     batch = plan.batch_to_run
-    if batch is None or not QUARANTINE.pages:
+    if batch is None or not QUARANTINE.active:
         return plan
-    for req in fail_affected_requests(batch):
+    for req in fail_affected_requests(batch, scheduler.tree_cache):
         if req is scheduler.chunked_req:
             # Upstream's path for a chunked request whose KV load failed: stop its next chunk.
             scheduler._pending_chunked_abort_req = req
