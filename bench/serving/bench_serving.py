@@ -7,7 +7,7 @@ or ``python bench/serving/bench_serving.py ...``. The code lives in
 
 import sys
 
-from dsv4_sm120.serving_bench.serving import main
+from dsv4_sm120.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["bench-serving", *sys.argv[1:]]))

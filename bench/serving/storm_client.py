@@ -7,7 +7,7 @@ or ``python bench/serving/storm_client.py ...``. The code lives in
 
 import sys
 
-from dsv4_sm120.serving_bench.abort_storm import main
+from dsv4_sm120.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["storm-client", *sys.argv[1:]]))

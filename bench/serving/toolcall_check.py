@@ -7,7 +7,7 @@ or ``python bench/serving/toolcall_check.py ...``. The code lives in
 
 import sys
 
-from dsv4_sm120.serving_bench.toolcall_check import main
+from dsv4_sm120.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["toolcall-check", *sys.argv[1:]]))

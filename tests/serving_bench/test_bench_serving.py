@@ -91,7 +91,7 @@ def test_each_level_is_one_upstream_run_and_a_failed_level_keeps_upstreams_words
     common = ["--base-url", server.url, "--model", "fake-dsv4", "--num-prompts", "6", "--dataset-name", "random-ids",
               "--random-input-len", "8", "--random-output-len", "3", "--out-dir", str(tmp_path)]  # fmt: skip
     server.reset(token_delay_s=0.01)
-    assert serving.main([*common, "--tokenizer", tiny_tokenizer, "--concurrency", "1", "3", "--tag", "two"]) == 0
+    assert cli.main(["bench-serving", *common, "--tokenizer", tiny_tokenizer, "--concurrency", "1", "3", "--tag", "two"]) == 0
     [path] = tmp_path.glob("serving_*_two.json")
     record = json.loads(path.read_text())
     assert [lv["result"]["max_concurrency"] for lv in record["levels"]] == [1, 3]
@@ -99,7 +99,7 @@ def test_each_level_is_one_upstream_run_and_a_failed_level_keeps_upstreams_words
     assert server.max_inflight == 3
 
     missing = str(tmp_path / "no-such-tokenizer")
-    assert serving.main([*common, "--tokenizer", missing, "--concurrency", "2", "--tag", "bad"]) == 1
+    assert cli.main(["bench-serving", *common, "--tokenizer", missing, "--concurrency", "2", "--tag", "bad"]) == 1
     [level] = json.loads(next(tmp_path.glob("serving_*_bad.json")).read_text())["levels"]
     assert level["result"] is None and level["returncode"] != 0
     assert "no-such-tokenizer" in level["error"]

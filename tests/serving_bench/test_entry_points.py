@@ -22,7 +22,7 @@ def test_checkout_wrappers_run(wrapper, prog):
         [sys.executable, "-m", f"bench.serving.{wrapper}", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith(f"usage: {prog}") and "--base-url" in proc.stdout
+    assert proc.stdout.startswith(f"usage: dsv4-sm120 {prog}") and "--base-url" in proc.stdout
 
 
 def test_subcommands_reach_the_live_server(server, capsys):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from dsv4_sm120.serving_bench import abort_storm
+from dsv4_sm120 import cli
 
 
 def _storm(server, capsys, *extra: str) -> tuple[int, dict]:
-    rc = abort_storm.main(["--base-url", server.url + "/v1", "--model", "fake-dsv4", "--probe-interval", "0.2", *extra])
+    rc = cli.main(["storm-client", "--base-url", server.url + "/v1", "--model", "fake-dsv4", "--probe-interval", "0.2", *extra])
     return rc, json.loads(capsys.readouterr().out)
 
 

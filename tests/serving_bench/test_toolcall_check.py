@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from dsv4_sm120.serving_bench import toolcall_check
+from dsv4_sm120 import cli
 
 
 def _check(server, capsys, *extra: str) -> tuple[int, dict]:
-    rc = toolcall_check.main(["--base-url", server.url, "--model", "fake-dsv4", "--turns", "4", *extra])
+    rc = cli.main(["toolcall-check", "--base-url", server.url, "--model", "fake-dsv4", "--turns", "4", *extra])
     return rc, json.loads(capsys.readouterr().out)
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -250,13 +249,3 @@ def run(args: argparse.Namespace) -> int:
     common.write_json(args.out, record)
     common.log(f"verdict: {record['verdict']}  recovery_s: {record['recovery_s']}")
     return {HEALTHY: 0, WEDGED: 1}.get(record["verdict"], 2)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="storm-client", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

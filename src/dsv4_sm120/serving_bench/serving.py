@@ -164,13 +164,3 @@ def run(args: argparse.Namespace) -> int:
         common.log("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     print(json.dumps({"file": str(out_path), "summary": record["summary"]}, indent=2))
     return 0 if ok else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench-serving", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -250,13 +249,3 @@ def run(args: argparse.Namespace) -> int:
     common.write_json(args.out, record)
     common.log(f"verdict: {record['verdict']}")
     return {CLEAN: 0, CORRUPT: 1}.get(record["verdict"], 2)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="toolcall-check", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
