@@ -9,18 +9,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from dsv4_sm120.disagg.loopback import FOREIGN_FRAME
+from polling import wait_until
 
 KV_SUCCESS = 4  # KVPoll.Success
 KV_FAILED = 0
-
-
-def _wait(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 def _one_session_completes(pd, timeout=10.0) -> bool:
@@ -34,7 +26,7 @@ def test_pin_thread_dies_on_a_foreign_frame_and_sessions_stall(make_pd):
     pin = make_pd(hardened=False, seed=2)
     assert _one_session_completes(pin)
     pin.push_raw(FOREIGN_FRAME)
-    assert _wait(lambda: not pin.thread_alive())
+    assert wait_until(lambda: not pin.thread_alive())
     s = pin.open()
     pin.send_metadata(s)
     assert not pin.run([s], 2.0)  # bounded wait: it would sit there for the 300 s bootstrap timeout
@@ -61,7 +53,7 @@ def test_late_transfer_info_after_abort_for_unknown_room_creates_no_room(pd):
     pd.settle_aborts()
     frame = pd.metadata_frame(s)
     pd.push_raw(frame)  # the transfer info lands late
-    _wait(lambda: pd.hardening is not None and pd.hardening.rejects.snapshot()["late_frames_dropped"] >= 1, 2.0)
+    wait_until(lambda: pd.hardening is not None and pd.hardening.rejects.snapshot()["late_frames_dropped"] >= 1, 2.0)
     time.sleep(0.2)
     assert s.room not in pd.prefill.transfer_infos, "a late transfer-info frame resurrected an aborted room"
     assert s.room not in pd.prefill.request_status, "a late transfer-info frame resurrected an aborted room"
@@ -81,7 +73,7 @@ def test_half_registered_peer_is_rolled_back_and_registers_again(make_pd):
     frame[5] = b"not nixl agent metadata"  # add_remote_agent fails after the peer table was written
     fresh.push_raw(frame)
     agent = fresh.decode.agent.name
-    assert _wait(lambda: fresh.hardening is not None and fresh.hardening.rejects.frames_rejected >= 1)
+    assert wait_until(lambda: fresh.hardening is not None and fresh.hardening.rejects.frames_rejected >= 1)
     assert fresh.thread_alive()
     assert agent not in fresh.prefill.decode_kv_args_table
     # The real decode registers (again) and its sessions complete.
@@ -118,7 +110,7 @@ def _fuzz(pd, n_examples):
 
 
 def _check_after_fuzz(pd, sent):
-    assert _wait(lambda: pd.hardening.rejects.snapshot()["frames_served"] + pd.hardening.rejects.frames_rejected
+    assert wait_until(lambda: pd.hardening.rejects.snapshot()["frames_served"] + pd.hardening.rejects.frames_rejected
                  >= len(sent), timeout=30)
     assert pd.thread_alive()
     assert _one_session_completes(pd)

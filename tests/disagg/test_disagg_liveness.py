@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import threading
-import time
 from types import SimpleNamespace
 
 from dsv4_sm120.disagg import liveness
+from polling import wait_until
 
 HEALTH = SimpleNamespace(rid="HEALTH_CHECK_dsv4_test")
-
-
-def _wait(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 def _scheduler_health_answered() -> bool:
@@ -51,11 +42,11 @@ def test_stuck_transfer_worker_then_dead_bootstrap_thread_fail_health(make_pd):
         s = pd.open()
         pd.send_metadata(s)
         # pump() plays the prefill scheduler: it queues the transfer once the room is bootstrapped.
-        assert _wait(lambda: pd.pump() >= 0 and any("transfer worker" in p for p in liveness.problems()))
+        assert wait_until(lambda: pd.pump() >= 0 and any("transfer worker" in p for p in liveness.problems()))
         assert not _scheduler_health_answered()
         release.set()
         assert pd.run([s], 10) and pd.verify(s)
-        assert _wait(lambda: liveness.problems() == [])
+        assert wait_until(lambda: liveness.problems() == [])
         assert _scheduler_health_answered()
     finally:
         release.set()
