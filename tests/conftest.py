@@ -1,8 +1,25 @@
-"""Shared pytest setup: the tests directory is importable (tiny_checkpoints, helpers)."""
+"""Session-wide test setup, done before any test module imports sglang or Triton.
 
+- The tests directory is importable (tiny_checkpoints, polling, area harnesses).
+- torch runs single-threaded: several suites fork gloo ranks from the pytest process, and a
+  child forked after the parent has used a multi-threaded OpenMP pool hangs in its first
+  parallel torch op (seen on the full suite: a forked rank stuck in ``index_copy_``).
+- Without a CUDA device, Triton runs in its interpreter: ``TRITON_INTERPRET`` must be set
+  before ``triton.language`` is first imported (its own library functions are ``@triton.jit``),
+  and sglang imports it early, so a per-suite fixture would be too late. The ahead-of-time
+  compile tests remove it in their subprocesses; on a GPU host nothing changes.
+"""
+
+import os
 import sys
 from pathlib import Path
+
+import torch
 
 TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
+
+torch.set_num_threads(1)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

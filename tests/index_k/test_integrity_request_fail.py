@@ -143,7 +143,6 @@ def _tp_rank(rank, port, result, host, device_pool, conn):
     """One TP rank: rank 0 loads the corrupt host page into device page 21, rank 1 an intact one."""
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    torch.set_num_threads(1)  # the parent's intra-op thread pool does not survive the fork
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         # (the host buffer is shared memory, so rank 1 loads another, intact host page into page 21)

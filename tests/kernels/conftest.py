@@ -1,8 +1,8 @@
 """Kernel tests run the real Triton kernels on the CPU through Triton's interpreter.
 
-``TRITON_INTERPRET=1`` must be in force when ``@triton.jit`` decorates a kernel,
-so the ``kern`` fixture sets it and (re)imports the kernel modules; the AOT
-compile tests run in subprocesses without it.
+``TRITON_INTERPRET=1`` must be in force before ``triton.language`` is first imported,
+so ``tests/conftest.py`` sets it for the whole session on hosts without CUDA; the
+AOT compile tests run in subprocesses without it.
 """
 
 from __future__ import annotations
@@ -18,19 +18,12 @@ import pytest
 KERNEL_MODULES = ("_common", "layout", "index_k_store", "index_query", "mqa_logits", "page_checksum", "page_copy")
 
 
-def interpreted_kernels() -> SimpleNamespace:
-    os.environ["TRITON_INTERPRET"] = "1"
-    mods = {}
-    for name in KERNEL_MODULES:
-        full = f"dsv4_sm120.kernels.{name}"
-        mod = sys.modules.get(full)
-        mods[name] = importlib.reload(mod) if mod is not None else importlib.import_module(full)
-    return SimpleNamespace(**mods)
-
-
 @pytest.fixture(scope="session")
-def kern():
-    return interpreted_kernels()
+def kern() -> SimpleNamespace:
+    """The kernel modules as decorated in this session (interpreted on a CPU-only host)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("interpreter tests run on hosts without CUDA; on a GPU use -m gpu")
+    return SimpleNamespace(**{n: importlib.import_module(f"dsv4_sm120.kernels.{n}") for n in KERNEL_MODULES})
 
 
 @pytest.fixture(scope="session")
