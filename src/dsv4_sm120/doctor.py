@@ -65,7 +65,7 @@ def _plugin() -> Section:
     elif allowed and not allowed & set(names):
         row = Row("plugin", FAIL, f"SGLANG_PLUGINS={allowed_env!r} excludes {names[0]!r}: add it to the list or unset SGLANG_PLUGINS")
     else:
-        row = Row("plugin", OK, f"entry point {data['entry_points'][0]}" + (f", allowed by SGLANG_PLUGINS" if allowed else ""))
+        row = Row("plugin", OK, f"entry point {data['entry_points'][0]}" + (", allowed by SGLANG_PLUGINS" if allowed else ""))
     data["loaded_by_sglang"] = row.status == OK
     return Section("plugin", data, [row])
 

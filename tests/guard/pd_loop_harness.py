@@ -563,7 +563,7 @@ class Harness:
             text = str(exc)
             status = "hang" if "imed out" in text or "timeout" in text.lower() else "error"
             return RankResult(self.rank, status, f"{type(exc).__name__}: {text[:300]}", iters=self.iteration)
-        except Exception as exc:  # noqa: BLE001
+        except Exception:  # noqa: BLE001
             return RankResult(self.rank, "error", traceback.format_exc()[-1500:], iters=self.iteration)
         self._drain()
         leftovers = {name: [getattr(x, "req", x).rid for x in q] for name, q in self._queues() if q}
