@@ -52,7 +52,9 @@ def test_upstream_command_line_for_low_and_high_concurrency(capsys):
 
 
 def test_bad_base_url_is_refused_with_the_fix(capsys):
-    assert serving.run(_parse("--base-url", "10.0.0.5:30000", "--model", "m")) == 2
+    with pytest.raises(SystemExit) as exit_:
+        _parse("--base-url", "10.0.0.5:30000", "--model", "m")
+    assert exit_.value.code == 2
     assert "http://10.0.0.5:30000" in capsys.readouterr().err
 
 

@@ -113,7 +113,7 @@ async def _storm_session(args, i: int, round_no: int, state: _Storm, delay: floa
         try:
             await chat(
                 s,
-                common.normalize_base_url(args.base_url),
+                args.base_url,
                 _storm_payload(args, i, round_no),
                 headers=common.auth_headers(args.api_key),
                 on_first_chunk=streaming,
@@ -127,7 +127,7 @@ async def _probe(args, timeout_s: float) -> float:
     """Seconds one fresh request took; raises on any failure or after ``timeout_s``."""
     start = time.perf_counter()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
-        await chat(s, common.normalize_base_url(args.base_url), _probe_payload(args), headers=common.auth_headers(args.api_key))
+        await chat(s, args.base_url, _probe_payload(args), headers=common.auth_headers(args.api_key))
     return time.perf_counter() - start
 
 
@@ -240,11 +240,6 @@ async def _run(args) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        common.normalize_base_url(args.base_url)
-    except common.UsageError as exc:
-        common.log(f"storm-client: {exc}")
-        return 2
     record = asyncio.run(_run(args))
     common.write_json(args.out, record)
     common.log(f"verdict: {record['verdict']}  recovery_s: {record['recovery_s']}")

@@ -25,16 +25,16 @@ import dsv4_sm120
 from dsv4_sm120 import settings
 
 
-class UsageError(ValueError):
-    """A command-line value the instruments cannot use; the message says how to fix it."""
-
-
 def normalize_base_url(url: str) -> str:
-    """``http://host:port`` from what users paste (a trailing ``/`` or ``/v1`` is dropped)."""
+    """``http://host:port`` from what users paste (a trailing ``/`` or ``/v1`` is dropped).
+
+    Used as the argparse ``type`` of ``--base-url``, so a bad value is a usage error
+    (exit 2, with the fix) before any instrument starts, and ``args.base_url`` is normalized.
+    """
     parts = urlsplit(url.strip())
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise UsageError(
-            f"--base-url {url!r} is not an http(s) URL; pass the server root, e.g. http://10.0.0.5:30000"
+        raise argparse.ArgumentTypeError(
+            f"{url!r} is not an http(s) URL; pass the server root, e.g. http://10.0.0.5:30000"
         )
     path = parts.path.rstrip("/")
     if path.endswith("/v1"):
@@ -45,7 +45,7 @@ def normalize_base_url(url: str) -> str:
 def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
     """``--base-url``, ``--model``, ``--api-key``, ``--launch-flags``, ``--device`` (the same on every instrument)."""
     parser.add_argument(
-        "--base-url", required=True, help="server or router root, e.g. http://127.0.0.1:30000 (a trailing /v1 is fine)"
+        "--base-url", required=True, type=normalize_base_url, help="server or router root, e.g. http://127.0.0.1:30000 (a trailing /v1 is fine)"
     )
     parser.add_argument("--model", required=True, help="model name the endpoint serves (the 'model' field of requests)")
     parser.add_argument(
@@ -102,7 +102,7 @@ def provenance(tool: str, args: argparse.Namespace) -> dict:
         "tool": tool,
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "client_host": socket.gethostname(),
-        "base_url": normalize_base_url(args.base_url),
+        "base_url": args.base_url,
         "model": args.model,
         "launch_flags": list(args.launch_flags),
         "device": args.device,

@@ -79,7 +79,7 @@ def upstream_argv(args: argparse.Namespace, concurrency: int, output_file: str) 
     argv = [
         args.python, "-m", UPSTREAM_MODULE,
         "--backend", args.backend,
-        "--base-url", common.normalize_base_url(args.base_url),
+        "--base-url", args.base_url,
         "--model", args.model,
         "--dataset-name", args.dataset_name,
         "--num-prompts", str(args.num_prompts or max(16, 4 * concurrency)),
@@ -124,11 +124,6 @@ def _last_json_line(path: Path) -> dict | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        common.normalize_base_url(args.base_url)
-    except common.UsageError as exc:
-        common.log(f"bench-serving: {exc}")
-        return 2
     if args.dry_run:
         for c in args.concurrency:
             print(shlex.join(upstream_argv(args, c, f"<out-dir>/upstream_c{c}.jsonl")))

@@ -162,7 +162,7 @@ def _assistant_message(reply: ChatReply, session: int, turn: int) -> dict:
 
 
 async def _session(args, http: aiohttp.ClientSession, level: _Level, sid: int, slots: asyncio.Semaphore) -> None:
-    base, headers = common.normalize_base_url(args.base_url), common.auth_headers(args.api_key)
+    base, headers = args.base_url, common.auth_headers(args.api_key)
     async with slots:
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASKS[sid % len(TASKS)]}]
         for turn in range(args.turns):
@@ -240,11 +240,6 @@ async def _run(args) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        common.normalize_base_url(args.base_url)
-    except common.UsageError as exc:
-        common.log(f"toolcall-check: {exc}")
-        return 2
     record = asyncio.run(_run(args))
     common.write_json(args.out, record)
     common.log(f"verdict: {record['verdict']}")
