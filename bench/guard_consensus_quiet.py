@@ -15,10 +15,13 @@ What one iteration does, on one gloo group of ``tp`` processes over 127.0.0.1:
 - guard: the same, plus the exact call the patch adds between the two,
   ``dsv4_sm120.guard.loop_guard.check_iteration(scheduler, "prefill")``, on a stand-in scheduler
   that holds ``--queued`` request ids in its bootstrap queue (the real ``snapshot.take`` and
-  ``consensus.disagreeing_fields``; the ranks agree, so no reconciliation runs).
+  ``consensus.Agreement``; the ranks agree, so no reconciliation runs). All ranks share the host,
+  so the agreement goes through the shared-memory channel, as it does for a one-host TP group;
+- guard_gloo: the same call with the agreement forced onto the gloo channel (what a TP group
+  spread over hosts uses), for comparison.
 
-Rounds alternate base and guard (order swapped every pair) in the same processes after a warm-up
-pair; per round the slowest rank's time per iteration counts (collectives make ranks wait for each
+Rounds run the three kinds in rotating order in the same processes after a warm-up of each;
+per round the slowest rank's time per iteration counts (collectives make ranks wait for each
 other); figures are medians over rounds. It does NOT run sglang's loop, a scheduler, a model or a
 serving workload: only the guard's collectives against the collectives they sit between.
 
@@ -95,45 +98,56 @@ def stand_in_scheduler(rank: int, group, queued: int) -> SimpleNamespace:
     )
 
 
+KINDS = ("base", "guard", "guard_gloo")
+
+
 def _worker(rank: int, tp: int, port: int, args: dict, results) -> None:
     os.environ["DSV4_SM120_COLLECTIVE_GUARD"] = "1"
     import torch
     import torch.distributed as dist
 
-    from dsv4_sm120.guard import loop_guard
+    from dsv4_sm120.guard import consensus, loop_guard
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
     group = dist.new_group(list(range(tp)), backend="gloo")  # like upstream's TP CPU group
     sched = stand_in_scheduler(rank, group, args["queued"])
+    sched_gloo = stand_in_scheduler(rank, group, args["queued"])
     polls = [1] * args["queued"]  # KVPoll.WaitingForInput: still bootstrapping
 
     # self-check once: a non-empty broadcast round-trips, the poll reduces, the guard agrees
     assert broadcast_pyobj([{"rid": "x"}] if rank == 0 else [], rank, group) == [{"rid": "x"}]
     assert poll_min_all_reduce([rank + 1] * 3, group) == [1, 1, 1]
     loop_guard.check_iteration(sched, "prefill")
-    assert sched._dsv4_guard.groups == [group], "guard is not active on the group"
+    assert [a.transport for a in sched._dsv4_guard.groups] == ["shm"], "guard is not on shared memory"
+    loop_guard.check_iteration(sched_gloo, "prefill")  # builds its state; then force the gloo channel
+    sched_gloo._dsv4_guard.groups = [consensus.Agreement(group, shared_memory=False)]
+    loop_guard.check_iteration(sched_gloo, "prefill")
+    assert [a.transport for a in sched_gloo._dsv4_guard.groups] == ["gloo"]
+    scheds = {"guard": sched, "guard_gloo": sched_gloo}
 
-    def run(guard: bool, iters: int) -> tuple[float, float]:
+    def run(kind: str, iters: int) -> tuple[float, float]:
         inside = 0.0
+        guarded = scheds.get(kind)
         dist.barrier(group=group)
         t0 = time.perf_counter()
         for _ in range(iters):
             broadcast_pyobj([], rank, group)  # ingest_requests: nothing new arrived
-            if guard:
+            if guarded is not None:
                 g0 = time.perf_counter()
-                loop_guard.check_iteration(sched, "prefill")
+                loop_guard.check_iteration(guarded, "prefill")
                 inside += time.perf_counter() - g0
             poll_min_all_reduce(polls, group)  # pop_bootstrapped
         return (time.perf_counter() - t0) / iters * 1e6, inside / iters * 1e6
 
-    for guard in (False, True):
-        run(guard, args["warmup"])
+    for kind in KINDS:
+        run(kind, args["warmup"])
     rounds = []
     for i in range(args["rounds"]):
-        for guard in ((False, True) if i % 2 == 0 else (True, False)):
-            us, inside = run(guard, args["iters"])
-            rounds.append({"guard": guard, "us": us, "inside_us": inside})
+        order = KINDS[i % 3:] + KINDS[: i % 3]  # rotate which kind goes first
+        for kind in order:
+            us, inside = run(kind, args["iters"])
+            rounds.append({"kind": kind, "us": us, "inside_us": inside})
     c = loop_guard.counters
     assert c.divergences_seen == 0 and c.fail_fasts == 0, f"ranks disagreed during the bench: {c.line()}"
     per_rank = [None] * tp
@@ -167,22 +181,20 @@ def measure(tp: int, args: dict) -> dict:
     bad = [p.exitcode for p in procs if p.exitcode != 0]
     if bad:
         raise SystemExit(f"TP={tp}: worker exit codes {bad}")
-    base, guard, inside = [], [], []
+    slowest = {k: [] for k in KINDS}
+    inside = {k: [] for k in KINDS}
     for j, first in enumerate(per_rank[0]):
-        slowest = max(rank_rounds[j]["us"] for rank_rounds in per_rank)
-        (guard if first["guard"] else base).append(slowest)
-        if first["guard"]:
-            inside.append(statistics.median(rank_rounds[j]["inside_us"] for rank_rounds in per_rank))
-    row = {
-        "tp": tp,
-        "us_per_iter_guard": round(statistics.median(guard), 2),
-        "us_per_iter_base": round(statistics.median(base), 2),
-    }
-    row["guard_cost_us"] = round(row["us_per_iter_guard"] - row["us_per_iter_base"], 2)
-    row["ratio"] = round(row["us_per_iter_guard"] / row["us_per_iter_base"], 3)
-    row["us_inside_guard_call"] = round(statistics.median(inside), 2)
-    row["rounds_guard_us"] = [round(x, 2) for x in guard]
-    row["rounds_base_us"] = [round(x, 2) for x in base]
+        slowest[first["kind"]].append(max(rank_rounds[j]["us"] for rank_rounds in per_rank))
+        inside[first["kind"]].append(statistics.median(rank_rounds[j]["inside_us"] for rank_rounds in per_rank))
+    row = {"tp": tp}
+    for kind in KINDS:
+        row[f"us_per_iter_{kind}"] = round(statistics.median(slowest[kind]), 2)
+    for kind in KINDS[1:]:
+        row[f"{kind}_cost_us"] = round(row[f"us_per_iter_{kind}"] - row["us_per_iter_base"], 2)
+        row[f"{kind}_ratio"] = round(row[f"us_per_iter_{kind}"] / row["us_per_iter_base"], 3)
+        row[f"us_inside_{kind}_call"] = round(statistics.median(inside[kind]), 2)
+    for kind in KINDS:
+        row[f"rounds_{kind}_us"] = [round(x, 2) for x in slowest[kind]]
     return row
 
 
@@ -207,7 +219,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--iters", type=int, default=4000, help="loop iterations per round")
-    ap.add_argument("--rounds", type=int, default=9, help="base/guard round pairs per TP size")
+    ap.add_argument("--rounds", type=int, default=9, help="rounds of (base, guard, guard_gloo) per TP size")
     ap.add_argument("--warmup", type=int, default=500, help="iterations of each kind before timing")
     ap.add_argument("--queued", type=int, default=16, help="request ids in the bootstrap queue")
     ap.add_argument("--timeout-s", type=float, default=300.0, help="per TP size")
@@ -243,8 +255,10 @@ def main() -> int:
             "broadcast_pyobj-equivalent request broadcast (idle: length tensor 0) + bootstrap poll MIN "
             f"all-reduce of {a.queued} int32; guard = base + dsv4_sm120.guard.loop_guard.check_iteration"
             f"(stand-in scheduler with {a.queued} request ids in the bootstrap queue, ranks agreeing) between "
-            f"the two, as the patch places it. {a.warmup} warm-up iterations of each, then {a.rounds} pairs of "
-            f"{a.iters}-iteration rounds alternating base/guard (order swapped each pair). Per round: the slowest "
+            "the two, as the patch places it, agreeing through the shared-memory channel (one host); "
+            "guard_gloo = the same with the agreement forced onto the gloo channel. "
+            f"{a.warmup} warm-up iterations of each, then {a.rounds} rounds of {a.iters} iterations of each "
+            "kind, in rotating order. Per round: the slowest "
             "rank's time per iteration; figures: medians over rounds; guard_cost_us = guard - base; "
             "us_inside_guard_call = median over ranks of time inside the call (includes waiting for the "
             "slowest rank). Not sglang's loop, no scheduler, no model, no serving."
@@ -259,6 +273,8 @@ def main() -> int:
         "tp": [r["tp"] for r in rows],
         "us_per_iter_guard": [r["us_per_iter_guard"] for r in rows],
         "us_per_iter_base": [r["us_per_iter_base"] for r in rows],
+        "us_per_iter_guard_gloo": [r["us_per_iter_guard_gloo"] for r in rows],
+        "guard_cost_us": [r["guard_cost_us"] for r in rows],
         "results": rows,
     }
     if a.out:

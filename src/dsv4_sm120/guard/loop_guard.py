@@ -2,7 +2,7 @@
 
 ``check_iteration(scheduler, loop)`` runs on every TP rank at the same point of
 every iteration (after the request broadcast, before the first queue poll). It
-compares the ranks' snapshots (gather + broadcast of a few int64). Agreement: return, the
+compares the ranks' snapshots (a few int64, through ``consensus.Agreement``). Agreement: return, the
 iteration proceeds unchanged. Disagreement on queues: reconcile (requests not
 held by every rank are aborted where held, their clients told why) and check
 again. Disagreement that reconciliation cannot remove (batch state, or queues
@@ -20,7 +20,6 @@ import logging
 import os
 import threading
 
-import torch.distributed as dist
 
 from dsv4_sm120.guard import consensus, reconcile, snapshot
 from dsv4_sm120.guard.counters import Counters
@@ -51,7 +50,7 @@ class _State:
         from dsv4_sm120 import settings
 
         self.enabled = settings.load().collective_guard
-        self.groups = consensus.groups_of(scheduler) if self.enabled else []
+        self.groups = [consensus.Agreement(g) for g in consensus.groups_of(scheduler)] if self.enabled else []
         self.rank = getattr(scheduler, "tp_rank", 0)
         reporter = getattr(scheduler, "metrics_reporter", None)
         if self.enabled and getattr(reporter, "enable_metrics", False) and not counters._prom:
@@ -65,15 +64,18 @@ def check_iteration(scheduler, loop: str) -> None:
         state = scheduler.__dict__["_dsv4_guard"] = _State(scheduler, loop)
     if not state.groups:
         return
-    for group in state.groups:
-        _agree(scheduler, loop, group, state.rank)
+    for agreement in state.groups:
+        try:
+            _agree(scheduler, loop, agreement, state.rank)
+        except consensus.PeerLost as e:
+            _fail_fast(loop, state.rank, [], [], str(e))
 
 
-def _agree(scheduler, loop: str, group, rank: int) -> None:
+def _agree(scheduler, loop: str, agreement: consensus.Agreement, rank: int) -> None:
     seen = False
     for _ in range(MAX_ROUNDS):
         snap = snapshot.take(scheduler, loop)
-        bad = consensus.disagreeing_fields(snap.vector(), group)
+        bad = agreement.disagreeing_fields(snap.vector())
         if not bad:
             if seen:
                 counters.add("divergences_reconciled")
@@ -82,12 +84,12 @@ def _agree(scheduler, loop: str, group, rank: int) -> None:
         if not seen:
             seen = True
             counters.add("divergences_seen")
-        gathered = consensus.gather(_exchange(scheduler, loop, snap), group)
+        gathered = agreement.gather(_exchange(scheduler, loop, snap))
         labels = snap.labels()
         if any(g["scalars"] != gathered[0]["scalars"] for g in gathered):
             _fail_fast(loop, rank, [labels[i] for i in bad], gathered, "batch state differs (not reconcilable)")
         p = reconcile.plan(gathered)
-        retired = reconcile.apply(scheduler, loop, p, dist.get_world_size(group))
+        retired = reconcile.apply(scheduler, loop, p, agreement.world)
         counters.add("requests_aborted", retired)
         logger.warning(
             "dsv4-sm120 guard: %s rank %d: ranks disagreed on %s; aborted %d request(s) this rank held "
