@@ -261,6 +261,21 @@ MANIFEST: tuple[Touch, ...] = (
         "index_k",
         "A bf16/fp8 index-K PD layout mismatch is refused with both layouts and the switch to fix it.",
     ),
+    # --- index_k: PD integrity mode (DSV4_SM120_INDEX_K_CHECKSUM=1), hooks registered only when on ---
+    Touch("sglang.srt.disaggregation.nixl.conn.NixlKVManager.add_transfer_request", "around", "index_k",
+          "Prefill checksums a chunk's bf16 index-K source rows when it is queued."),
+    Touch("sglang.srt.disaggregation.nixl.conn.NixlKVManager._encode_kv_status_message", "around", "index_k",
+          "A room's Success status carries its index-K checksums as one extra frame."),
+    Touch("sglang.srt.disaggregation.nixl.conn.NixlKVManager.parse_kv_status_message", "around", "index_k",
+          "Decode keeps the checksum frame of a room's Success status (upstream reads frames 0-3 only)."),
+    Touch("sglang.srt.disaggregation.nixl.conn.NixlKVReceiver.send_metadata", "around", "index_k",
+          "Decode remembers the destination pages the prefill addresses by position."),
+    Touch("sglang.srt.disaggregation.nixl.conn.NixlKVReceiver.poll", "around", "index_k",
+          "Decode verifies the received index-K rows when the room turns Success; Failed on a mismatch."),
+    Touch("sglang.srt.disaggregation.common.conn.CommonKVManager.record_failure", "calls", "index_k",
+          "A PD index-K mismatch becomes the room's failure reason, read by the decode's abort path."),
+    Touch("sglang.srt.disaggregation.base.conn.KVPoll", "calls", "index_k",
+          "Room states the PD integrity hooks compare and answer."),
     # --- hicache: bf16 index-K host mirror ---
     Touch(
         "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler.register_stack_strategy",

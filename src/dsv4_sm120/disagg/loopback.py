@@ -84,12 +84,12 @@ def _config_dir() -> str:
     return path
 
 
-def _kv_args(kv, aux):
+def _kv_args(kv, aux, kv_layout=None):
     from sglang.srt.disaggregation.base.conn import KVArgs
 
     a = KVArgs()
     a.engine_rank, a.pp_rank, a.system_dp_rank, a.gpu_id = 0, 0, 0, 0
-    a.kv_cache_dtype_str, a.kv_layout, a.page_size = "bfloat16", None, 1
+    a.kv_cache_dtype_str, a.kv_layout, a.page_size = "bfloat16", kv_layout, 1
     a.kv_data_ptrs = [t.data_ptr() for t in kv]
     a.kv_data_lens = [t.nbytes for t in kv]
     a.kv_item_lens = [t[0].nbytes for t in kv]
@@ -136,7 +136,10 @@ class LoopbackPD:
     """A real NIXL prefill and decode in one process, talking over 127.0.0.1."""
 
     def __init__(self, *, hardened: bool, layers: int = 2, pages: int = 8192, page_bytes: int = 128,
-                 aux_slots: int = 2048, aux_bytes: int = 64, seed: int = 0):
+                 aux_slots: int = 2048, aux_bytes: int = 64, seed: int = 0, index_k_layers: int = 0):
+        """``index_k_layers`` > 0 also registers that many bf16 index-K shaped buffers (16384 B page
+        rows, after the KV buffers, as the DSV4 pool orders them) and tags both sides' PD layout
+        ``index_k:bf16``, as a bf16 DSV4 pool does; they travel and verify like the KV buffers."""
         import torch
         from sglang.srt import runtime_context
         from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer, NixlKVManager
@@ -150,6 +153,15 @@ class LoopbackPD:
         gen = torch.Generator().manual_seed(seed)
         self.src_kv = [torch.randint(0, 256, (pages, page_bytes), dtype=torch.uint8, generator=gen) for _ in range(layers)]
         self.dst_kv = [torch.zeros(pages, page_bytes, dtype=torch.uint8) for _ in range(layers)]
+        kv_layout = None
+        if index_k_layers:
+            from dsv4_sm120.index_k import layout
+
+            row = layout.BF16_PAGE_ROW_BYTES
+            self.src_kv += [torch.randint(0, 256, (pages, row), dtype=torch.uint8, generator=gen)
+                            for _ in range(index_k_layers)]
+            self.dst_kv += [torch.zeros(pages, row, dtype=torch.uint8) for _ in range(index_k_layers)]
+            kv_layout = layout.PD_LAYOUT_TAG_BF16
         self.src_aux = torch.randint(0, 256, (aux_slots, aux_bytes), dtype=torch.uint8, generator=gen)
         self.dst_aux = torch.zeros(aux_slots, aux_bytes, dtype=torch.uint8)
         self.pages, self.aux_slots = pages, aux_slots
@@ -167,10 +179,11 @@ class LoopbackPD:
         self.server = NixlKVBootstrapServer(host="127.0.0.1", port=port)
         before = set(threading.enumerate())
         with _hardening_env(hardened):
-            self.prefill = NixlKVManager(_kv_args(self.src_kv, self.src_aux), DisaggregationMode.PREFILL,
+            self.prefill = NixlKVManager(_kv_args(self.src_kv, self.src_aux, kv_layout), DisaggregationMode.PREFILL,
                                          server_args, False)
         self.bootstrap_thread = next(t for t in set(threading.enumerate()) - before if "bootstrap" in t.name)
-        self.decode = NixlKVManager(_kv_args(self.dst_kv, self.dst_aux), DisaggregationMode.DECODE, server_args, False)
+        self.decode = NixlKVManager(_kv_args(self.dst_kv, self.dst_aux, kv_layout), DisaggregationMode.DECODE,
+                                    server_args, False)
         deadline = time.monotonic() + 30
         while not self.decode.try_ensure_parallel_info(self.addr):
             if time.monotonic() > deadline:

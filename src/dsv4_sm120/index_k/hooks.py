@@ -4,13 +4,14 @@ All four are registered unconditionally and decide when called, from
 ``--model-impl`` and ``DSV4_SM120_INDEX_K_DTYPE``, whether to act; with any
 other model impl or with ``fp8`` they call upstream unchanged (the request-failure
 hook acts only once integrity mode has quarantined a page). Hook bodies
-import upstream lazily: registering costs nothing.
+import upstream lazily: registering costs nothing. The five PD integrity hooks
+(:mod:`.pd_integrity`) are registered only when ``DSV4_SM120_INDEX_K_CHECKSUM=1``.
 """
 
 from __future__ import annotations
 
 from dsv4_sm120.hooks import hook
-from dsv4_sm120.index_k import builder, pd, planner, request_fail
+from dsv4_sm120.index_k import builder, pd, pd_integrity, planner, request_fail
 from dsv4_sm120.settings import Settings
 
 
@@ -21,3 +22,6 @@ def register(cfg: Settings) -> None:
     hook(planner.TARGET, planner.indexer_bytes_per_token)
     hook(pd.TARGET, pd.try_ensure_parallel_info)
     hook(request_fail.TARGET, request_fail.get_new_batch_prefill)
+    if cfg.index_k_checksum:
+        # The PD send/receive check: with the switch off nothing is hooked (no extra frame).
+        pd_integrity.register_hooks()

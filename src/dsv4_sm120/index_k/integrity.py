@@ -24,8 +24,12 @@ import torch
 
 logger = logging.getLogger("dsv4_sm120.index_k.integrity")
 
-# Process-wide counters, read by tests and by whoever exports metrics.
-COUNTERS = {"pages_recorded": 0, "pages_checked": 0, "mismatches": 0, "requests_failed": 0}
+# Process-wide counters, read by tests and by whoever exports metrics. The ``pd_`` ones count
+# the PD (NIXL) send/receive check of :mod:`.pd_integrity`: pages checksummed on send and on
+# receive, mismatching pages, rooms failed, rooms received without a checksum frame.
+COUNTERS = {"pages_recorded": 0, "pages_checked": 0, "mismatches": 0, "requests_failed": 0,
+            "pd_pages_recorded": 0, "pd_pages_checked": 0, "pd_mismatches": 0, "pd_rooms_failed": 0,
+            "pd_rooms_unchecked": 0}
 
 
 def _checksum(rows: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,404 @@
+"""Integrity mode on the PD path: bf16 index-K pages checksummed when sent, verified when received.
+
+A bf16 index-K page that reaches the decode with a few wrong bytes (its source
+page overwritten while NIXL read it, a transport fault) does not crash
+anything: it silently changes the indexer's top-512 selection and the answer
+degrades. With ``DSV4_SM120_INDEX_K_CHECKSUM=1`` each side of a NIXL PD pair
+does its half, on the pin's own control messages:
+
+* prefill, when a room's chunk is queued (``NixlKVManager.add_transfer_request``):
+  checksums the index-K page rows of the chunk's source pages, together with
+  their positions in the decode's destination page list (the chunk's
+  ``index_slice``, which is how the transfer worker pairs them). The source
+  pages stay unchanged until the transfer concludes, so these are the bytes NIXL
+  sends.
+* prefill, when the room's ``Success`` status is encoded
+  (``_encode_kv_status_message``): appends the sums as one extra frame, after an
+  empty failure-reason frame. Upstream's parser reads the room, status, rank and
+  reason frames only, so an unmodified decode pairs as before.
+* decode: keeps the frame per room when it parses the status
+  (``parse_kv_status_message``; never raises there, it runs on the listener
+  thread), remembers each receiver's destination pages (``send_metadata``), and
+  when the receiver's poll first answers ``Success`` checksums the received rows
+  at those pages. A mismatch, or a checksum frame that does not parse, records a
+  failure reason naming the room, page, layer and switch, increments
+  :data:`~dsv4_sm120.index_k.integrity.COUNTERS` and answers ``Failed``: the
+  decode's own failure path aborts the request before it is admitted, and its
+  polls are MIN-reduced over TP ranks, so every rank drops it.
+
+A prefill that sends no frame (switch off there, an upstream prefill, or a send
+this check cannot pair page for page: DCP relayout, head-sliced or staged
+heterogeneous TP) is logged once per peer and its rooms run unchecked. Index-K
+buffers are the registered KV buffers whose item is one 16384-byte bf16 page
+row, on a manager whose PD layout carries ``index_k:bf16``. The checksum is the
+kernels area's ``page_checksum`` (Triton on CUDA, its torch reference on CPU).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import struct
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from dsv4_sm120.index_k import layout
+
+NIXL = "sglang.srt.disaggregation.nixl.conn"
+ADD_TRANSFER = f"{NIXL}.NixlKVManager.add_transfer_request"
+ENCODE_STATUS = f"{NIXL}.NixlKVManager._encode_kv_status_message"
+PARSE_STATUS = f"{NIXL}.NixlKVManager.parse_kv_status_message"
+SEND_METADATA = f"{NIXL}.NixlKVReceiver.send_metadata"
+POLL = f"{NIXL}.NixlKVReceiver.poll"
+
+SWITCH = "DSV4_SM120_INDEX_K_CHECKSUM"
+MAGIC = b"DSV4SM120/index-k-sums/1\0"
+_HEADER = struct.Struct("<II")  # index-K buffers, pages
+_STATE = "_dsv4_pd_index_k"
+_DST = "_dsv4_index_k_dst_pages"
+_CHECKED = "_dsv4_index_k_checked"
+
+logger = logging.getLogger("dsv4_sm120.index_k.pd_integrity")
+
+
+class FrameError(ValueError):
+    """A checksum frame that does not parse: the room cannot be verified, so it fails."""
+
+
+@dataclass(frozen=True)
+class PageSums:
+    """Checksums of the index-K rows one prefill rank sent for a room."""
+
+    positions: np.ndarray  # int64 [n]: positions in the decode's destination page list
+    sums: np.ndarray  # int64 [buffers, n]
+
+
+def encode_frame(sums: PageSums) -> bytes:
+    buffers, pages = sums.sums.shape
+    return b"".join((MAGIC, _HEADER.pack(buffers, pages), sums.positions.astype("<i8").tobytes(),
+                     sums.sums.astype("<i8").tobytes()))
+
+
+def parse_frame(frame: bytes) -> PageSums:
+    """The sums of one frame; :class:`FrameError` saying what is wrong when it does not parse."""
+    if not frame.startswith(MAGIC):
+        raise FrameError("not a bf16 index-K checksum frame (wrong magic)")
+    body = frame[len(MAGIC):]
+    if len(body) < _HEADER.size:
+        raise FrameError(f"checksum frame header truncated ({len(body)} of {_HEADER.size} bytes)")
+    buffers, pages = _HEADER.unpack_from(body)
+    expected = _HEADER.size + 8 * pages * (1 + buffers)
+    if len(body) != expected:
+        raise FrameError(f"checksum frame announces {buffers} buffers x {pages} pages ({expected} bytes) "
+                         f"but carries {len(body)} bytes")
+    positions = np.frombuffer(body, dtype="<i8", count=pages, offset=_HEADER.size).astype(np.int64)
+    if pages and positions.min() < 0:
+        raise FrameError("checksum frame lists a negative destination position")
+    sums = np.frombuffer(body, dtype="<i8", offset=_HEADER.size + 8 * pages).astype(np.int64)
+    return PageSums(positions, sums.reshape(buffers, pages))
+
+
+def index_k_buffers(kv_args) -> list[int]:
+    """Positions, in the registered KV buffer lists, of the bf16 index-K page-row buffers."""
+    if layout.pd_layout_dtype(getattr(kv_args, "kv_layout", None)) != "bf16":
+        return []
+    return [i for i, n in enumerate(kv_args.kv_item_lens) if n == layout.BF16_PAGE_ROW_BYTES]
+
+
+def _page_rows(kv_args, i: int):
+    """uint8 [pages, 16384] view of registered buffer ``i`` (no copy), in host or device memory."""
+    import torch
+
+    item, ptr = kv_args.kv_item_lens[i], kv_args.kv_data_ptrs[i]
+    pages = kv_args.kv_data_lens[i] // item
+    kinds = getattr(kv_args, "kv_data_mem_kinds", None)
+    if kinds is not None and kinds[i] == "DRAM":
+        return torch.frombuffer((ctypes.c_uint8 * (pages * item)).from_address(ptr), dtype=torch.uint8).view(pages, item)
+
+    class _Device:
+        __cuda_array_interface__ = {"shape": (pages, item), "typestr": "|u1", "data": (ptr, False),
+                                    "version": 3, "strides": None}
+
+    return torch.as_tensor(_Device(), device=f"cuda:{kv_args.gpu_id}")
+
+
+def _checksums(kv_args, i: int, pages: np.ndarray, wait_event=None) -> np.ndarray:
+    import torch
+
+    from dsv4_sm120.kernels.page_checksum import page_checksum
+
+    rows = _page_rows(kv_args, i)
+    if rows.is_cuda and wait_event is not None:
+        # An early send is queued before the prior forward finished writing these pages.
+        torch.cuda.current_stream(rows.device).wait_event(wait_event)
+    index = torch.as_tensor(np.asarray(pages, dtype=np.int64), device=rows.device)
+    return page_checksum(rows.index_select(0, index)).cpu().numpy()
+
+
+class PDIndexK:
+    """One NIXL manager's integrity state: its index-K buffers and the sums of its live rooms."""
+
+    def __init__(self, manager, enabled: bool):
+        self.buffers = index_k_buffers(manager.kv_args) if enabled else []
+        self.enabled = bool(self.buffers)
+        self.layer_ids = list(getattr(manager.kv_args, "kv_layer_ids", None) or [])
+        self.lock = threading.Lock()
+        self.sent: dict[int, list[PageSums] | None] = {}  # prefill: room -> chunks' sums (None: unsendable)
+        self.received: dict[int, dict[int, PageSums | FrameError]] = {}  # decode: room -> prefill rank -> sums
+        self.logged: set[str] = set()
+        if self.enabled:
+            logger.info("PD index-K integrity on (%s=1): %d bf16 index-K buffers checksummed", SWITCH,
+                        len(self.buffers))
+
+    def layer_name(self, ordinal: int) -> str:
+        i = self.buffers[ordinal]
+        layer = f" (kv layer id {self.layer_ids[i]})" if i < len(self.layer_ids) else ""
+        return f"index-K layer {ordinal}{layer}"
+
+    def log_once(self, key: str, message: str, *args) -> None:
+        if key not in self.logged:
+            self.logged.add(key)
+            logger.warning(message, *args)
+
+    # -- prefill ------------------------------------------------------------------------------------
+    def record_send(self, manager, room: int, kv_indices, index_slice: slice, wait_event) -> None:
+        from dsv4_sm120.index_k.integrity import COUNTERS
+
+        with self.lock:
+            for stale in [r for r in self.sent if r not in manager.request_status]:
+                del self.sent[stale]
+            if room in self.sent and self.sent[room] is None:
+                return
+        why = _not_page_for_page(manager, room)
+        if why:
+            self.log_once(why, "PD index-K integrity: rooms sent %s are not checksummed (the decode logs "
+                          "them as unchecked)", why)
+            with self.lock:
+                self.sent[room] = None
+            return
+        pages = np.asarray(kv_indices, dtype=np.int64)
+        start, step = index_slice.start or 0, index_slice.step or 1
+        positions = start + step * np.arange(len(pages), dtype=np.int64)
+        sums = np.stack([_checksums(manager.kv_args, i, pages, wait_event) for i in self.buffers])
+        with self.lock:
+            chunks = self.sent.setdefault(room, [])
+            if chunks is not None:
+                chunks.append(PageSums(positions, sums))
+        COUNTERS["pd_pages_recorded"] += len(pages) * len(self.buffers)
+
+    def frame_for(self, room: int) -> bytes | None:
+        with self.lock:
+            chunks = self.sent.get(room)
+        if not chunks:
+            return None
+        return encode_frame(PageSums(np.concatenate([c.positions for c in chunks]),
+                                     np.concatenate([c.sums for c in chunks], axis=1)))
+
+    # -- decode -------------------------------------------------------------------------------------
+    def note_received(self, manager, room: int, prefill_rank: int, found: PageSums | FrameError) -> None:
+        with self.lock:
+            for stale in [r for r in self.received if r not in manager.request_status]:
+                del self.received[stale]
+            if room in manager.request_status:
+                self.received.setdefault(room, {})[prefill_rank] = found
+
+    def verify(self, receiver):
+        """The poll answer for a room that just turned Success: Success, or Failed with the reason recorded."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        from dsv4_sm120.index_k.integrity import COUNTERS
+
+        room, peer = receiver.bootstrap_room, receiver.bootstrap_addr
+        with self.lock:
+            frames = self.received.pop(room, None)
+        dst = getattr(receiver, _DST, None)
+        if not frames:
+            COUNTERS["pd_rooms_unchecked"] += 1
+            self.log_once(f"peer:{peer}", "PD index-K integrity not checked for prefill %s: it sends no "
+                          "checksum frame (%s is off there, it is an upstream prefill, or it cannot pair "
+                          "the pages it sends page for page)", peer, SWITCH)
+            return KVPoll.Success
+        errors = [f"prefill rank {rank}: {found}" for rank, found in sorted(frames.items())
+                  if isinstance(found, FrameError)]
+        if errors:
+            return self._fail(receiver, f"its bf16 index-K checksum frame is malformed ({'; '.join(errors)}), "
+                              f"so the pages it received cannot be verified")
+        if dst is None:
+            COUNTERS["pd_rooms_unchecked"] += 1
+            self.log_once("no-dst", "PD index-K integrity: room %s polled Success before its destination "
+                          "pages were known; not checked", room)
+            return KVPoll.Success
+        bad = []
+        for rank, found in sorted(frames.items()):
+            if found.sums.shape[0] != len(self.buffers):
+                COUNTERS["pd_rooms_unchecked"] += 1
+                self.log_once(f"buffers:{peer}", "PD index-K integrity not checked for prefill %s: it sums %d "
+                              "index-K buffers, this decode registers %d (a PP stage or a layer-count "
+                              "mismatch)", peer, found.sums.shape[0], len(self.buffers))
+                return KVPoll.Success
+            keep = found.positions < len(dst)  # what the transfer worker truncates is not sent either
+            positions, pages = found.positions[keep], dst[found.positions[keep]]
+            for ordinal, i in enumerate(self.buffers):
+                got = _checksums(receiver.kv_mgr.kv_args, i, pages)
+                for j in np.nonzero(got != found.sums[ordinal][keep])[0]:
+                    bad.append((rank, ordinal, int(positions[j]), int(pages[j])))
+            COUNTERS["pd_pages_checked"] += len(pages) * len(self.buffers)
+        if not bad:
+            return KVPoll.Success
+        COUNTERS["pd_mismatches"] += len(bad)
+        for rank, ordinal, position, page in bad:
+            logger.error("PD index-K checksum mismatch: room=%s prefill=%s rank=%d %s destination page=%d "
+                         "(position %d of the room's page list)", room, peer, rank, self.layer_name(ordinal),
+                         page, position)
+        where = ", ".join(f"page {page} {self.layer_name(ordinal)}" for _, ordinal, _, page in bad[:8])
+        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+        return self._fail(receiver, f"bf16 index-K checksum mismatch on {where}{more}: the rows received "
+                          f"differ from what the prefill sent")
+
+    def _fail(self, receiver, what: str):
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        from dsv4_sm120.index_k.integrity import COUNTERS
+
+        room = receiver.bootstrap_room
+        reason = (f"Room {room} from prefill {receiver.bootstrap_addr} failed: {what}. Caught by {SWITCH}=1; "
+                  f"the request was not admitted. Retry it.")
+        logger.error("%s", reason)
+        COUNTERS["pd_rooms_failed"] += 1
+        receiver.kv_mgr.record_failure(room, reason)
+        receiver.kv_mgr.update_status(room, KVPoll.Failed)
+        receiver.conclude_state = KVPoll.Failed
+        return KVPoll.Failed
+
+
+def _not_page_for_page(manager, room: int) -> str | None:
+    """Why this room's destinations do not receive whole page rows at the listed positions, if so."""
+    for info in list(manager.transfer_infos.get(room, {}).values()):
+        if info.is_dummy:
+            continue
+        dst = manager.decode_kv_args_table.get(info.agent_name)
+        if dst is None:
+            return "to a decode this prefill has not registered"
+        if getattr(dst, "requires_dcp_relayout", False):
+            return "with DCP relayout"
+        mla = manager.is_mla_backend or getattr(manager, "is_hybrid_mla_backend", False)
+        if not mla and dst.decode_tp_size != manager.attn_tp_size:
+            return "head-sliced to a decode of another TP width"
+    return None
+
+
+_lock = threading.Lock()
+
+
+def configure(manager, enabled: bool) -> PDIndexK:
+    """Set whether this manager checks index-K pages (the hooks otherwise read the switch once)."""
+    state = PDIndexK(manager, enabled)
+    setattr(manager, _STATE, state)
+    return state
+
+
+def state_of(manager) -> PDIndexK:
+    state = getattr(manager, _STATE, None)
+    if state is None:
+        from dsv4_sm120 import settings
+
+        with _lock:
+            state = getattr(manager, _STATE, None) or configure(manager, settings.load().index_k_checksum)
+    return state
+
+
+# -- hooks ------------------------------------------------------------------------------------------
+def add_transfer_request(original, manager, bootstrap_room, kv_indices, index_slice, *args, **kwargs):
+    """AROUND hook (prefill): checksum the chunk's index-K source rows before it is queued."""
+    state = state_of(manager)
+    if state.enabled and bootstrap_room in manager.transfer_infos and len(kv_indices):
+        try:
+            state.record_send(manager, bootstrap_room, kv_indices, index_slice, kwargs.get("wait_event"))
+        except Exception:
+            logger.exception("PD index-K integrity: checksumming room %s failed; it is sent unchecked",
+                             bootstrap_room)
+            with state.lock:
+                state.sent[bootstrap_room] = None
+    return original(manager, bootstrap_room, kv_indices, index_slice, *args, **kwargs)
+
+
+def encode_kv_status_message(original, manager, **kwargs):
+    """AROUND hook (prefill): a room's Success status carries its index-K sums as one extra frame."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    parts = original(manager, **kwargs)
+    state = getattr(manager, _STATE, None)
+    if state is None or not state.enabled or kwargs.get("status") != KVPoll.Success:
+        return parts
+    frame = state.frame_for(kwargs.get("bootstrap_room"))
+    if frame is None:
+        return parts
+    reason = [] if manager.kv_status_msg_carries_reason else [b""]  # upstream reads that slot as the reason
+    return [*parts, *reason, frame]
+
+
+def parse_kv_status_message(original, manager, msg):
+    """AROUND hook (decode): keep a Success message's checksum frame for its room; never raises."""
+    parsed = original(manager, msg)
+    if parsed is None:
+        return parsed
+    try:
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        state = state_of(manager)
+        room, status, prefill_rank, _ = parsed
+        if state.enabled and status == KVPoll.Success:
+            frames = [f for f in msg[4:] if isinstance(f, (bytes, bytearray)) and f.startswith(MAGIC)]
+            if frames:
+                try:
+                    found = parse_frame(bytes(frames[-1]))
+                except FrameError as exc:
+                    found = exc
+                state.note_received(manager, room, prefill_rank, found)
+    except Exception:
+        logger.exception("PD index-K integrity: a status message's checksum frame could not be kept")
+    return parsed
+
+
+def send_metadata(original, receiver, kv_indices, *args, **kwargs):
+    """AROUND hook (decode): remember the destination pages, in the order the prefill addresses them."""
+    if state_of(receiver.kv_mgr).enabled:
+        setattr(receiver, _DST, np.array(kv_indices, dtype=np.int64))
+    return original(receiver, kv_indices, *args, **kwargs)
+
+
+def poll(original, receiver):
+    """AROUND hook (decode): the first Success is verified; a mismatch answers Failed instead."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    status = original(receiver)
+    if status != KVPoll.Success or getattr(receiver, _CHECKED, False):
+        return status
+    state = state_of(receiver.kv_mgr)
+    if not state.enabled:
+        return status
+    setattr(receiver, _CHECKED, True)
+    try:
+        return state.verify(receiver)
+    except Exception as exc:
+        logger.exception("PD index-K integrity: verifying room %s raised", receiver.bootstrap_room)
+        return state._fail(receiver, f"its bf16 index-K pages could not be verified ({exc!r})")
+
+
+HOOKS = (
+    (ADD_TRANSFER, add_transfer_request),
+    (ENCODE_STATUS, encode_kv_status_message),
+    (PARSE_STATUS, parse_kv_status_message),
+    (SEND_METADATA, send_metadata),
+    (POLL, poll),
+)
+
+
+def register_hooks() -> None:
+    """Register the five PD hooks (the index_k area does so only when the switch is on)."""
+    from dsv4_sm120.hooks import hook
+
+    for target, fn in HOOKS:
+        hook(target, fn)
