@@ -1,0 +1,255 @@
+"""Integrity mode on the PD path (DSV4_SM120_INDEX_K_CHECKSUM=1): bf16 index-K pages sent over NIXL are verified.
+
+One loopback pair for the module: the pin's real NixlKVManager / Sender /
+Receiver and bootstrap server, real NIXL agents over UCX DRAM-to-DRAM on
+127.0.0.1 (dsv4_sm120.disagg.loopback), with two extra registered buffers shaped
+like bf16 index-K page rows (16384 B) and both sides' PD layout tagged
+``index_k:bf16``, as a bf16 DSV4 pool registers them. Only the model is absent:
+the pages hold random bytes. The checksum runs on CPU tensors (the kernel's torch
+reference); its CUDA path on VRAM is not exercised here.
+
+The hooks are registered as ``load_plugins`` registers them with the switch on;
+``DSV4_SM120_INDEX_K_CHECKSUM=0 pytest tests/index_k/test_pd_integrity.py``
+registers none, and the tests that need them fail (the point).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+import pytest
+
+from dsv4_sm120.index_k import layout, pd_integrity
+from dsv4_sm120.index_k.pd_integrity import FrameError, PageSums, encode_frame, parse_frame
+
+INDEX_K_LAYERS = 2
+KV_LAYERS = 2  # the loopback's plain KV buffers come first, as the DSV4 pool registers KV before indexer
+
+
+@pytest.fixture(scope="module")
+def pd():
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from dsv4_sm120.disagg.loopback import LoopbackPD
+
+    if os.environ.get(pd_integrity.SWITCH, "1") == "1" and pd_integrity.POLL not in HookRegistry._hooks:
+        pd_integrity.register_hooks()
+    pair = LoopbackPD(hardened=True, pages=256, seed=11, index_k_layers=INDEX_K_LAYERS)
+    HookRegistry.apply_hooks()
+    yield pair
+    pair.close()
+
+
+@pytest.fixture
+def sides(pd):
+    """``sides(prefill_on, decode_on)``: set each manager's switch as its server would read it."""
+
+    def set_sides(prefill_on: bool, decode_on: bool):
+        pd_integrity.configure(pd.prefill, prefill_on)
+        pd_integrity.configure(pd.decode, decode_on)
+
+    yield set_sides
+    set_sides(False, False)
+
+
+def _counters():
+    from dsv4_sm120.index_k.integrity import COUNTERS
+
+    return dict(COUNTERS)
+
+
+def _delta(before):
+    now = _counters()
+    return {k: now[k] - before[k] for k in now if now[k] != before[k]}
+
+
+def _transfer(pd, s, timeout_s: float = 20.0):
+    """Run the prefill side of ``s`` until the decode manager holds Success, without polling the receiver."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    pd.send_metadata(s)
+    deadline = time.monotonic() + timeout_s
+    while pd.decode.check_status(s.room) != KVPoll.Success:
+        assert time.monotonic() < deadline, f"room {s.room} never reached Success on the decode"
+        state = s.sender.poll()
+        if state == KVPoll.WaitingForInput and not s.started:
+            s.started = True
+            s.sender.init(len(s.src), aux_index=s.src_aux)
+            # two chunks, as a chunked prefill sends them: positions must follow index_slice
+            half = len(s.src) // 2
+            s.sender.send(s.src[:half])
+            s.sender.send(s.src[half:])
+        assert state != KVPoll.Failed, f"prefill failed room {s.room}"
+        time.sleep(0.002)
+
+
+def _finish(pd, s, timeout_s: float = 20.0):
+    """Conclude both sides of ``s`` (the loopback's scheduler loops) and free its pages."""
+    assert pd.run([s], timeout_s), f"room {s.room} did not conclude"
+    assert pd.quiesce(timeout_s)
+    pd.recycle()
+
+
+def _index_k(pd, side: str):
+    kv = pd.src_kv if side == "src" else pd.dst_kv
+    return kv[KV_LAYERS:]
+
+
+def test_registered_index_k_buffers_are_found_by_item_length_and_layout_tag(pd):
+    assert pd_integrity.index_k_buffers(pd.prefill.kv_args) == [KV_LAYERS + i for i in range(INDEX_K_LAYERS)]
+    assert pd_integrity.index_k_buffers(pd.decode.kv_args) == [KV_LAYERS + i for i in range(INDEX_K_LAYERS)]
+    # the rows the check reads are the registered memory itself
+    rows = pd_integrity._page_rows(pd.decode.kv_args, KV_LAYERS)
+    assert rows.data_ptr() == pd.dst_kv[KV_LAYERS].data_ptr() and rows.shape[1] == layout.BF16_PAGE_ROW_BYTES
+
+
+def test_clean_transfer_is_verified_and_succeeds(pd, sides):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    sides(True, True)
+    before = _counters()
+    s = pd.open(n_pages=6)
+    _transfer(pd, s)
+    assert s.receiver.poll() == KVPoll.Success
+    _finish(pd, s)
+    assert s.decode_state == KVPoll.Success and s.prefill_state == KVPoll.Success
+    assert pd.verify(s)
+    assert _delta(before) == {"pd_pages_recorded": 6 * INDEX_K_LAYERS, "pd_pages_checked": 6 * INDEX_K_LAYERS}
+
+
+def test_corrupt_received_page_fails_the_room_with_page_layer_and_switch(pd, sides, caplog):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import KVTransferError
+
+    sides(True, True)
+    before = _counters()
+    s = pd.open(n_pages=6)
+    _transfer(pd, s)
+    # The bytes landed; flip one of them in destination page s.dst[4], index-K layer 1
+    # (what an in-flight overwrite of the source page would have left there).
+    _index_k(pd, "dst")[1][int(s.dst[4]), 777] ^= 0x10
+    with caplog.at_level(logging.ERROR, logger="dsv4_sm120.index_k.pd_integrity"):
+        assert s.receiver.poll() == KVPoll.Failed
+    assert s.receiver.poll() == KVPoll.Failed  # sticky
+    assert _delta(before) == {"pd_pages_recorded": 12, "pd_pages_checked": 12, "pd_mismatches": 1,
+                              "pd_rooms_failed": 1}
+    with pytest.raises(KVTransferError) as err:
+        s.receiver.failure_exception()  # what the decode's abort path reads
+    reason = str(err.value)
+    assert f"Room {s.room}" in reason and f"page {int(s.dst[4])} index-K layer 1" in reason
+    assert "DSV4_SM120_INDEX_K_CHECKSUM=1" in reason
+    assert any(f"destination page={int(s.dst[4])}" in r.getMessage() for r in caplog.records)
+    s.decode_state = KVPoll.Failed
+    _finish(pd, s)
+
+
+@pytest.mark.parametrize("prefill_on, decode_on", [(True, False), (False, True)])
+def test_a_peer_without_the_switch_still_pairs_and_transfers(pd, sides, caplog, prefill_on, decode_on):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    sides(prefill_on, decode_on)
+    before = _counters()
+    s = pd.open(n_pages=5)
+    with caplog.at_level(logging.WARNING, logger="dsv4_sm120.index_k.pd_integrity"):
+        _transfer(pd, s)
+        assert s.receiver.poll() == KVPoll.Success
+    _finish(pd, s)
+    assert s.decode_state == KVPoll.Success and pd.verify(s)
+    delta = _delta(before)
+    if prefill_on:  # the frame was sent and the decode ignored it
+        assert delta == {"pd_pages_recorded": 5 * INDEX_K_LAYERS}
+    else:  # no frame: logged once for that prefill, room admitted unchecked
+        assert delta == {"pd_rooms_unchecked": 1}
+        assert any("not checked for prefill" in r.getMessage() for r in caplog.records)
+
+
+def _sums(buffers=2, pages=3):
+    gen = np.random.default_rng(3)
+    return PageSums(np.arange(5, 5 + pages, dtype=np.int64), gen.integers(-(2**62), 2**62, (buffers, pages)))
+
+
+def test_frame_round_trips_and_upstream_parser_ignores_it(pd):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
+
+    sums = _sums()
+    back = parse_frame(encode_frame(sums))
+    assert np.array_equal(back.positions, sums.positions) and np.array_equal(back.sums, sums.sums)
+    # the message a prefill with the switch on sends, read by upstream's own (unhooked) parser
+    msg = [b"KV_STATUS", b"42", str(int(KVPoll.Success)).encode(), b"0", b"", encode_frame(sums)]
+    assert CommonKVManager.parse_kv_status_message(pd.decode, msg) == (42, int(KVPoll.Success), 0, None)
+
+
+@pytest.mark.parametrize("frame, error", [
+    (pd_integrity.MAGIC + b"\x01", "header truncated"),
+    (encode_frame(_sums())[:-3], "carries"),
+    (encode_frame(PageSums(np.array([-1], dtype=np.int64), np.zeros((2, 1), dtype=np.int64))), "negative"),
+    (b"DSV4SM120/index-k-sums/9\0" + bytes(8), "wrong magic"),
+])
+def test_malformed_frames_are_refused_with_what_is_wrong(frame, error):
+    with pytest.raises(FrameError, match=error):
+        parse_frame(frame)
+
+
+def test_malformed_frame_fails_the_room_and_the_listener_lives_on(pd, sides):
+    """A Success whose checksum frame does not parse fails that room; the decode's listener thread keeps serving."""
+    import zmq
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import KVTransferError
+
+    from polling import wait_until
+
+    sides(True, True)
+    before = _counters()
+    bad, plain = pd.open(n_pages=2, prefill=False), pd.open(n_pages=2, prefill=False)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(f"tcp://{pd.decode.local_ip}:{pd.decode.rank_port}")
+    success = str(int(KVPoll.Success)).encode()
+    try:
+        push.send_multipart([b"KV_STATUS", str(bad.room).encode(), success, b"0", b"",
+                             pd_integrity.MAGIC + b"\xff" * 3])
+        push.send_multipart([b"KV_STATUS", str(plain.room).encode(), success, b"0"])
+        assert wait_until(lambda: pd.decode.check_status(plain.room) == KVPoll.Success, 10)
+    finally:
+        push.close(0)
+    assert bad.receiver.poll() == KVPoll.Failed
+    with pytest.raises(KVTransferError, match="checksum frame is malformed .*header truncated"):
+        bad.receiver.failure_exception()
+    assert plain.receiver.poll() == KVPoll.Success  # no frame: admitted unchecked, as an upstream prefill's
+    assert _delta(before) == {"pd_rooms_failed": 1, "pd_rooms_unchecked": 1}
+    for s in (bad, plain):
+        s.decode_state = KVPoll.Failed if s is bad else KVPoll.Success
+        s.receiver.clear()
+    pd.recycle()
+
+
+def test_switch_off_registers_no_pd_hook(monkeypatch):
+    import dataclasses
+
+    from dsv4_sm120 import hooks as door
+    from dsv4_sm120 import settings
+    from dsv4_sm120.index_k import hooks
+
+    registered = []
+    monkeypatch.setattr(hooks, "hook", lambda target, fn: registered.append(target))
+    monkeypatch.setattr(door, "hook", lambda target, fn: registered.append(target))
+    pd_targets = [target for target, _ in pd_integrity.HOOKS]
+    hooks.register(dataclasses.replace(settings.load(), index_k_checksum=False))
+    assert not set(pd_targets) & set(registered)
+    registered.clear()
+    hooks.register(dataclasses.replace(settings.load(), index_k_checksum=True))
+    assert set(pd_targets) <= set(registered)
+
+
+def test_unconfigured_manager_follows_the_switch(monkeypatch, pd):
+    class Manager:
+        kv_args = pd.decode.kv_args
+
+    monkeypatch.setenv(pd_integrity.SWITCH, "0")
+    assert not pd_integrity.state_of(Manager()).enabled
+    monkeypatch.setenv(pd_integrity.SWITCH, "1")
+    assert pd_integrity.state_of(Manager()).enabled
