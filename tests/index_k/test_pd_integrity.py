@@ -120,17 +120,31 @@ def test_clean_transfer_is_verified_and_succeeds(pd, sides):
     assert _delta(before) == {"pd_pages_recorded": 6 * INDEX_K_LAYERS, "pd_pages_checked": 6 * INDEX_K_LAYERS}
 
 
-def test_corrupt_received_page_fails_the_room_with_page_layer_and_switch(pd, sides, caplog):
+@pytest.mark.parametrize("where", ["destination", "source"])
+def test_corrupt_page_fails_the_room_with_page_layer_and_switch(pd, sides, caplog, monkeypatch, where):
+    """One flipped byte in page 4 of index-K layer 1: in the received page after it landed, or in the
+    source page after the prefill checksummed it and before NIXL read it (an in-flight overwrite)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.common.conn import KVTransferError
 
     sides(True, True)
     before = _counters()
     s = pd.open(n_pages=6)
+    src_row = _index_k(pd, "src")[1][int(s.src[4])]
+    if where == "source":
+        record = pd_integrity.PDIndexK.record_send
+
+        def record_then_overwrite(self, manager, room, kv_indices, *args):
+            record(self, manager, room, kv_indices, *args)
+            if room == s.room and int(s.src[4]) in [int(p) for p in kv_indices]:
+                src_row[777] ^= 0x10
+
+        monkeypatch.setattr(pd_integrity.PDIndexK, "record_send", record_then_overwrite)
     _transfer(pd, s)
-    # The bytes landed; flip one of them in destination page s.dst[4], index-K layer 1
-    # (what an in-flight overwrite of the source page would have left there).
-    _index_k(pd, "dst")[1][int(s.dst[4]), 777] ^= 0x10
+    if where == "destination":
+        _index_k(pd, "dst")[1][int(s.dst[4]), 777] ^= 0x10
+    else:
+        src_row[777] ^= 0x10  # the loopback's source pool is shared by later tests
     with caplog.at_level(logging.ERROR, logger="dsv4_sm120.index_k.pd_integrity"):
         assert s.receiver.poll() == KVPoll.Failed
     assert s.receiver.poll() == KVPoll.Failed  # sticky

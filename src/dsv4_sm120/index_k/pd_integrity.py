@@ -190,7 +190,7 @@ class PDIndexK:
 
     def frame_for(self, room: int) -> bytes | None:
         with self.lock:
-            chunks = self.sent.get(room)
+            chunks = list(self.sent.get(room) or ())
         if not chunks:
             return None
         return encode_frame(PageSums(np.concatenate([c.positions for c in chunks]),
