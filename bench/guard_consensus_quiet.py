@@ -18,9 +18,12 @@ What one iteration does, on one gloo group of ``tp`` processes over 127.0.0.1:
   ``consensus.Agreement``; the ranks agree, so no reconciliation runs). All ranks share the host,
   so the agreement goes through the shared-memory channel, as it does for a one-host TP group;
 - guard_gloo: the same call with the agreement forced onto the gloo channel (what a TP group
-  spread over hosts uses), for comparison.
+  spread over hosts uses), for comparison;
+- snapshot_only and agree_only: the guard's two parts alone, to say where its cost goes: reading
+  this rank's queues into a vector (no agreement), and the shared-memory agreement on a fixed
+  vector (no queue reading).
 
-Rounds run the three kinds in rotating order in the same processes after a warm-up of each;
+Rounds run the kinds in rotating order in the same processes after a warm-up of each;
 per round the slowest rank's time per iteration counts (collectives make ranks wait for each
 other); figures are medians over rounds. It does NOT run sglang's loop, a scheduler, a model or a
 serving workload: only the guard's collectives against the collectives they sit between.
@@ -98,7 +101,7 @@ def stand_in_scheduler(rank: int, group, queued: int) -> SimpleNamespace:
     )
 
 
-KINDS = ("base", "guard", "guard_gloo")
+KINDS = ("base", "guard", "guard_gloo", "snapshot_only", "agree_only")
 
 
 def _worker(rank: int, tp: int, port: int, args: dict, results) -> None:
@@ -124,18 +127,27 @@ def _worker(rank: int, tp: int, port: int, args: dict, results) -> None:
     sched_gloo._dsv4_guard.groups = [consensus.Agreement(group, shared_memory=False)]
     loop_guard.check_iteration(sched_gloo, "prefill")
     assert [a.transport for a in sched_gloo._dsv4_guard.groups] == ["gloo"]
-    scheds = {"guard": sched, "guard_gloo": sched_gloo}
+    from dsv4_sm120.guard import snapshot
+
+    agree = consensus.Agreement(group)
+    constant = snapshot.take(sched, "prefill").vector()
+    steps = {
+        "guard": lambda: loop_guard.check_iteration(sched, "prefill"),
+        "guard_gloo": lambda: loop_guard.check_iteration(sched_gloo, "prefill"),
+        "snapshot_only": lambda: snapshot.take(sched, "prefill").vector(),
+        "agree_only": lambda: agree.disagreeing_fields(constant),
+    }
 
     def run(kind: str, iters: int) -> tuple[float, float]:
         inside = 0.0
-        guarded = scheds.get(kind)
+        step = steps.get(kind)
         dist.barrier(group=group)
         t0 = time.perf_counter()
         for _ in range(iters):
             broadcast_pyobj([], rank, group)  # ingest_requests: nothing new arrived
-            if guarded is not None:
+            if step is not None:
                 g0 = time.perf_counter()
-                loop_guard.check_iteration(guarded, "prefill")
+                step()
                 inside += time.perf_counter() - g0
             poll_min_all_reduce(polls, group)  # pop_bootstrapped
         return (time.perf_counter() - t0) / iters * 1e6, inside / iters * 1e6
@@ -144,7 +156,7 @@ def _worker(rank: int, tp: int, port: int, args: dict, results) -> None:
         run(kind, args["warmup"])
     rounds = []
     for i in range(args["rounds"]):
-        order = KINDS[i % 3:] + KINDS[: i % 3]  # rotate which kind goes first
+        order = KINDS[i % len(KINDS):] + KINDS[: i % len(KINDS)]  # rotate which kind goes first
         for kind in order:
             us, inside = run(kind, args["iters"])
             rounds.append({"kind": kind, "us": us, "inside_us": inside})
@@ -219,7 +231,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--iters", type=int, default=4000, help="loop iterations per round")
-    ap.add_argument("--rounds", type=int, default=9, help="rounds of (base, guard, guard_gloo) per TP size")
+    ap.add_argument("--rounds", type=int, default=9, help="rounds of every kind per TP size")
     ap.add_argument("--warmup", type=int, default=500, help="iterations of each kind before timing")
     ap.add_argument("--queued", type=int, default=16, help="request ids in the bootstrap queue")
     ap.add_argument("--timeout-s", type=float, default=300.0, help="per TP size")
@@ -256,7 +268,8 @@ def main() -> int:
             f"all-reduce of {a.queued} int32; guard = base + dsv4_sm120.guard.loop_guard.check_iteration"
             f"(stand-in scheduler with {a.queued} request ids in the bootstrap queue, ranks agreeing) between "
             "the two, as the patch places it, agreeing through the shared-memory channel (one host); "
-            "guard_gloo = the same with the agreement forced onto the gloo channel. "
+            "guard_gloo = the same with the agreement forced onto the gloo channel; snapshot_only / agree_only = "
+            "the guard's queue reading alone / its shared-memory agreement on a fixed vector alone. "
             f"{a.warmup} warm-up iterations of each, then {a.rounds} rounds of {a.iters} iterations of each "
             "kind, in rotating order. Per round: the slowest "
             "rank's time per iteration; figures: medians over rounds; guard_cost_us = guard - base; "

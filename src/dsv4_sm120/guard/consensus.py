@@ -17,8 +17,9 @@ Only on disagreement are the request-id lists exchanged (``gather``, gloo), whic
 
 Slots are double-buffered by sequence parity: a rank can write iteration k+2 (same parity as k)
 only after every rank has written k+1, i.e. after every rank has finished reading iteration k.
-Each slot ends in a check word over (sequence, payload), so a reader that sees a slot whose
-payload stores are not yet visible (weakly ordered CPUs) re-reads instead of trusting it.
+A slot is [sequence, payload..., check word over both]; the sequence is stored last and a reader
+accepts a slot only when its check word matches, so a slot whose payload stores are not yet
+visible (weakly ordered CPUs) is read again instead of trusted.
 """
 
 from __future__ import annotations
@@ -36,11 +37,14 @@ import torch.distributed as dist
 
 logger = logging.getLogger("dsv4_sm120.guard")
 
-SPIN_S = 0.002  # busy-wait this long for the slowest rank before yielding the CPU between looks
+SPIN_S = 0.002  # look again at once (yielding the core) this long, then sleep between looks
+YIELD_SLEEP_S = 50e-6
 PEER_CHECK_S = 0.5  # while waiting longer, check this often that every peer process still lives
 REPORT_EVERY_S = 30.0  # while waiting longer, name the ranks not arrived this often
 STALL_LIMIT_S = 600.0  # a live peer that never arrives: fail fast rather than wait forever
-_MIX = np.array([0x9E3779B97F4A7C15 - 2**64 + 2 * i for i in range(64)], dtype=np.int64)  # odd multipliers
+MAX_FIELDS = 62
+# Odd multipliers for a slot's check word: a wrapping dot product over (sequence, payload).
+_MIX = np.array([0x9E3779B97F4A7C15 - 2**64 + 2 * i for i in range(MAX_FIELDS + 1)], dtype=np.int64)
 
 
 class PeerLost(RuntimeError):
@@ -66,12 +70,6 @@ def host_key() -> str:
         except OSError:
             parts.append("?")
     return "|".join(parts)
-
-
-def _check_words(seq: int, rows: np.ndarray) -> np.ndarray:
-    """One int64 per row over (seq, payload): wrapping multiply-add with odd constants."""
-    with np.errstate(over="ignore"):
-        return (rows * _MIX[: rows.shape[1]]).sum(axis=1) ^ np.int64(seq)
 
 
 def _alive(pid: int) -> bool:
@@ -112,7 +110,7 @@ class Agreement:
 
     def _setup(self, width: int) -> None:
         self.transport = "gloo"
-        if not self._allow_shm or len(set(self.gather(host_key()))) != 1 or width > len(_MIX):
+        if not self._allow_shm or len(set(self.gather(host_key()))) != 1 or width > MAX_FIELDS:
             return
         path = [None]
         if self.me == 0:
@@ -124,6 +122,8 @@ class Agreement:
             os.unlink(path[0])  # every rank has mapped it (or failed to): nothing left in /dev/shm
         if all(p is not None for p in pids):
             self.transport, self._slots, self._pids = "shm", view, pids
+            self._mine = np.empty(width + 2, dtype=np.int64)
+            self._mix = _MIX[: width + 1]
         elif self.me == 0:
             logger.warning("dsv4-sm120 guard: the group's ranks could not share a mapped file (%s); "
                            "agreeing over gloo instead", path[0] or "none could be created")
@@ -151,33 +151,36 @@ class Agreement:
     # -- the two channels ---------------------------------------------------------------------------
 
     def _via_shared_memory(self, vector: list[int]) -> list[int]:
-        self._seq += 1
-        seq = self._seq
+        seq = self._seq = self._seq + 1
         slots = self._slots[seq & 1]
-        row = np.asarray(vector, dtype=np.int64)
-        mine = slots[self.me]
-        mine[1:-1] = row
-        mine[-1] = _check_words(seq, row[None, :])[0]
-        mine[0] = seq  # published last: a reader waits for it, then validates the check word
-        rows = self._wait_all(slots, seq)
-        return np.flatnonzero((rows != rows[0]).any(axis=0)).tolist()
+        mine = self._mine
+        mine[0], mine[1:-1] = seq, vector
+        mine[-1] = mine[:-1] @ self._mix  # wraps modulo 2**64, as intended
+        slot = slots[self.me]
+        slot[1:] = mine[1:]
+        slot[0] = seq  # published last: readers wait for it, then validate the check word
+        payload = self._wait_all(slots, seq)[:, 1:-1]
+        if (payload == payload[0]).all():
+            return []
+        return np.flatnonzero((payload != payload[0]).any(axis=0)).tolist()
 
     def _wait_all(self, slots: np.ndarray, seq: int) -> np.ndarray:
+        """A consistent copy of every rank's slot for iteration ``seq``; raises PeerLost instead of hanging."""
         start = time.perf_counter()
         next_peer_check, next_report = start + PEER_CHECK_S, start + REPORT_EVERY_S
         while True:
-            if (slots[:, 0] == seq).all():
-                rows = slots[:, 1:-1].copy()
-                if (_check_words(seq, rows) == slots[:, -1]).all():
-                    return rows
+            block = slots.copy()
+            if (block[:, 0] == seq).all() and (block[:, :-1] @ self._mix == block[:, -1]).all():
+                return block
             now = time.perf_counter()
             if now - start < SPIN_S:
+                os.sched_yield()  # let a peer's gloo or main thread on this core run first
                 continue
-            time.sleep(0)
+            time.sleep(YIELD_SLEEP_S)
             if now < next_peer_check:
                 continue
             next_peer_check = now + PEER_CHECK_S
-            missing = [r for r in range(self.world) if slots[r, 0] != seq]
+            missing = [r for r in range(self.world) if block[r, 0] != seq]
             dead = [r for r in missing if not _alive(self._pids[r])]
             if dead:
                 raise PeerLost(f"group rank(s) {dead} (pid {[self._pids[r] for r in dead]}) died while this "

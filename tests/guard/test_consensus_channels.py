@@ -1,0 +1,139 @@
+"""The guard's two agreement channels on real gloo groups: same answers, and no hang on a dead rank.
+
+Ranks are forked processes on one real gloo group over 127.0.0.1, so the shared-memory channel is
+the one ``Agreement`` picks; a rank that reports a different host key forces the gloo channel, as
+a TP group spread over hosts would. Nothing is replaced: the scheduler is a stand-in holding only
+the attributes the guard reads, because the guard reads nothing else.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import socket
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+
+WIDTH = 11  # the prefill loop's vector: 3 queues x (length, digest) + 5 scalars
+ITERS = 300
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank: int, world: int, port: int):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    return dist.new_group(list(range(world)), backend="gloo")
+
+
+def _expected(i: int, world: int) -> list[int]:
+    """Which fields the ranks' vectors differ in at iteration ``i`` (see ``_vector``)."""
+    if world == 1 or i % 3:
+        return []
+    return sorted({i % WIDTH, (i * 7) % WIDTH})
+
+
+def _vector(i: int, rank: int) -> list[int]:
+    rng = random.Random(i)  # same base on every rank
+    v = [rng.randrange(2**62) for _ in range(WIDTH)]
+    if i % 3 == 0 and rank:
+        v[i % WIDTH] += rank
+        v[(i * 7) % WIDTH] ^= 1 << (rank % 61)
+    return v
+
+
+def _compare_channels(rank: int, world: int, port: int, split_hosts: bool, out) -> None:
+    try:
+        from dsv4_sm120.guard import consensus
+
+        if split_hosts and rank == world - 1:
+            consensus.host_key = lambda: "another-host"
+        group = _init(rank, world, port)
+        auto, gloo = consensus.Agreement(group), consensus.Agreement(group, shared_memory=False)
+        answers = [(auto.disagreeing_fields(_vector(i, rank)), gloo.disagreeing_fields(_vector(i, rank)))
+                   for i in range(ITERS)]
+        out.put((rank, auto.transport, gloo.transport, answers))
+    except BaseException as e:  # report, so the parent fails with the reason instead of a timeout
+        out.put((rank, "error", repr(e), []))
+
+
+def _run_ranks(target, world: int, *args, timeout_s: float = 120.0) -> list:
+    ctx = mp.get_context("fork")
+    out, port = ctx.Queue(), _port()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, out), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return [out.get(timeout=timeout_s) for _ in range(world)]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shared_memory_channel_agrees_with_gloo_on_every_iteration(world):
+    results = _run_ranks(_compare_channels, world, False)
+    for rank, auto, gloo, answers in results:
+        assert (auto, gloo) == ("shm", "gloo"), f"rank {rank}: {auto} {gloo}"
+        for i, (via_shm, via_gloo) in enumerate(answers):
+            assert via_shm == via_gloo == _expected(i, world), f"rank {rank} iteration {i}"
+    assert len(results) == world
+
+
+def test_a_group_spread_over_hosts_agrees_over_gloo():
+    results = _run_ranks(_compare_channels, 2, True)
+    for rank, auto, gloo, answers in results:
+        assert (auto, gloo) == ("gloo", "gloo"), f"rank {rank}: {auto} {gloo}"
+        assert [a for a, _ in answers] == [_expected(i, 2) for i in range(ITERS)]
+
+
+def _one_rank_dies(rank: int, world: int, port: int, out) -> None:
+    from dsv4_sm120.guard import loop_guard
+
+    group = _init(rank, world, port)
+    sched = SimpleNamespace(  # what check_iteration and snapshot.take read on a prefill scheduler
+        attn_tp_cpu_group=group, attn_cp_cpu_group=None, tp_rank=rank, metrics_reporter=None,
+        disagg_prefill_bootstrap_queue=SimpleNamespace(queue=[]), waiting_queue=[],
+        disagg_prefill_inflight_queue=[], last_batch=None, chunked_req=None, result_queue=[],
+        _deferred_input_requests=[],
+    )
+    for _ in range(50):
+        loop_guard.check_iteration(sched, "prefill")
+    transport = sched._dsv4_guard.groups[0].transport
+    if rank == world - 1:
+        _put_and_exit(out, (rank, transport, None, 0.0))  # dies between iterations; unreaped: a zombie
+    t0 = time.perf_counter()
+    try:
+        loop_guard.check_iteration(sched, "prefill")
+        result = (rank, transport, "returned without its peer", time.perf_counter() - t0)
+    except loop_guard.CollectiveGuardFailFast as e:
+        result = (rank, transport, str(e), time.perf_counter() - t0)
+    _put_and_exit(out, result)  # skip the fail-fast exit timer and gloo teardown with a dead peer
+
+
+def _put_and_exit(out, item) -> None:
+    out.put(item)
+    out.close()
+    out.join_thread()  # the queue's feeder thread must flush before os._exit
+    os._exit(0)
+
+
+def test_a_dead_rank_fails_the_survivors_fast_instead_of_hanging(monkeypatch):
+    monkeypatch.setenv("DSV4_SM120_COLLECTIVE_GUARD", "1")
+    results = sorted(_run_ranks(_one_rank_dies, 2, timeout_s=60.0))
+    (_, transport, why, waited), _ = results
+    assert transport == "shm"
+    assert "FAIL FAST" in why and "died" in why, why
+    assert waited < 5.0, f"the survivor waited {waited:.1f} s"
