@@ -17,7 +17,10 @@ What one iteration does, on one gloo group of ``tp`` processes over 127.0.0.1:
   that holds ``--queued`` request ids in its bootstrap queue (the real ``snapshot.take`` and
   ``consensus.Agreement``; the ranks agree, so no reconciliation runs). All ranks share the host,
   so the agreement goes through the shared-memory channel, as it does for a one-host TP group;
-- guard_gloo: the same call with the agreement forced onto the gloo channel (what a TP group
+- package: guard, with the poll's MIN-reduction going through the plugin's AROUND hook on
+  upstream's ``_all_reduce_polls`` (``dsv4_sm120.guard.poll_reduce``), i.e. through the guard's
+  shared memory: what the package runs on a one-host TP group with the guard on;
+- guard_gloo: the guard call with the agreement forced onto the gloo channel (what a TP group
   spread over hosts uses), for comparison;
 - snapshot_only and agree_only: the guard's two parts alone, to say where its cost goes: reading
   this rank's queues into a vector (no agreement), and the shared-memory agreement on a fixed
@@ -101,7 +104,7 @@ def stand_in_scheduler(rank: int, group, queued: int) -> SimpleNamespace:
     )
 
 
-KINDS = ("base", "guard", "guard_gloo", "snapshot_only", "agree_only")
+KINDS = ("base", "guard", "package", "guard_gloo", "snapshot_only", "agree_only")
 
 
 def _worker(rank: int, tp: int, port: int, args: dict, results) -> None:
@@ -121,26 +124,33 @@ def _worker(rank: int, tp: int, port: int, args: dict, results) -> None:
     # self-check once: a non-empty broadcast round-trips, the poll reduces, the guard agrees
     assert broadcast_pyobj([{"rid": "x"}] if rank == 0 else [], rank, group) == [{"rid": "x"}]
     assert poll_min_all_reduce([rank + 1] * 3, group) == [1, 1, 1]
-    loop_guard.check_iteration(sched, "prefill")
-    assert [a.transport for a in sched._dsv4_guard.groups] == ["shm"], "guard is not on shared memory"
     loop_guard.check_iteration(sched_gloo, "prefill")  # builds its state; then force the gloo channel
     sched_gloo._dsv4_guard.groups = [consensus.Agreement(group, shared_memory=False)]
     loop_guard.check_iteration(sched_gloo, "prefill")
     assert [a.transport for a in sched_gloo._dsv4_guard.groups] == ["gloo"]
-    from dsv4_sm120.guard import snapshot
+    loop_guard.check_iteration(sched, "prefill")  # set up last: the group's shared channel is its
+    assert [a.transport for a in sched._dsv4_guard.groups] == ["shm"], "guard is not on shared memory"
+    from dsv4_sm120.guard import poll_reduce, snapshot
 
-    agree = consensus.Agreement(group)
+    agree = sched._dsv4_guard.groups[0]
     constant = snapshot.take(sched, "prefill").vector()
     steps = {
         "guard": lambda: loop_guard.check_iteration(sched, "prefill"),
+        "package": lambda: loop_guard.check_iteration(sched, "prefill"),
         "guard_gloo": lambda: loop_guard.check_iteration(sched_gloo, "prefill"),
         "snapshot_only": lambda: snapshot.take(sched, "prefill").vector(),
         "agree_only": lambda: agree.disagreeing_fields(constant),
     }
+    assert consensus.shared_channel(group) is agree
+    assert poll_reduce.all_reduce_polls(None, [rank + 1] * 3, group) == [1, 1, 1]  # no gloo: original is None
+
+    def shm_poll(p, g):  # the plugin's AROUND hook on upstream's _all_reduce_polls
+        return poll_reduce.all_reduce_polls(poll_min_all_reduce, p, g)
 
     def run(kind: str, iters: int) -> tuple[float, float]:
         inside = 0.0
         step = steps.get(kind)
+        poll = shm_poll if kind == "package" else poll_min_all_reduce
         dist.barrier(group=group)
         t0 = time.perf_counter()
         for _ in range(iters):
@@ -149,7 +159,7 @@ def _worker(rank: int, tp: int, port: int, args: dict, results) -> None:
                 g0 = time.perf_counter()
                 step()
                 inside += time.perf_counter() - g0
-            poll_min_all_reduce(polls, group)  # pop_bootstrapped
+            poll(polls, group)  # pop_bootstrapped
         return (time.perf_counter() - t0) / iters * 1e6, inside / iters * 1e6
 
     for kind in KINDS:
@@ -268,7 +278,9 @@ def main() -> int:
             f"all-reduce of {a.queued} int32; guard = base + dsv4_sm120.guard.loop_guard.check_iteration"
             f"(stand-in scheduler with {a.queued} request ids in the bootstrap queue, ranks agreeing) between "
             "the two, as the patch places it, agreeing through the shared-memory channel (one host); "
-            "guard_gloo = the same with the agreement forced onto the gloo channel; snapshot_only / agree_only = "
+            "package = guard with the poll MIN-reduced through dsv4_sm120.guard.poll_reduce (the plugin's hook on "
+            "_all_reduce_polls: shared memory); "
+            "guard_gloo = guard with the agreement forced onto the gloo channel; snapshot_only / agree_only = "
             "the guard's queue reading alone / its shared-memory agreement on a fixed vector alone. "
             f"{a.warmup} warm-up iterations of each, then {a.rounds} rounds of {a.iters} iterations of each "
             "kind, in rotating order. Per round: the slowest "
@@ -288,6 +300,8 @@ def main() -> int:
         "us_per_iter_base": [r["us_per_iter_base"] for r in rows],
         "us_per_iter_guard_gloo": [r["us_per_iter_guard_gloo"] for r in rows],
         "guard_cost_us": [r["guard_cost_us"] for r in rows],
+        "us_per_iter_package": [r["us_per_iter_package"] for r in rows],
+        "package_cost_us": [r["package_cost_us"] for r in rows],
         "results": rows,
     }
     if a.out:

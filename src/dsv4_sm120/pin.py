@@ -351,6 +351,12 @@ MANIFEST: tuple[Touch, ...] = (
         "Warns loudly at PD scheduler startup when the guard patch is not in the loaded loops.",
     ),
     Touch(
+        "sglang.srt.disaggregation.utils._all_reduce_polls",
+        "around",
+        "guard",
+        "MIN-reduces transfer polls through the guard's shared memory on groups the guard set up on one host.",
+    ),
+    Touch(
         "sglang.srt.managers.scheduler.Scheduler.send_abort_output",
         "calls",
         "guard",

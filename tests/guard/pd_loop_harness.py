@@ -9,7 +9,9 @@ What is real (sglang 0.5.23, unmodified except for our patch):
   ``get_next_disagg_prefill_batch_to_run``, ``resolve_waiting_queue_bootstrap``,
   ``process_disagg_prefill_inflight_queue``, ``handle_bootstrap_failure``,
   ``handle_inflight_transfer_failure``; decode: ``process_decode_queue``;
-  all queue polls go through upstream's ``poll_and_all_reduce*`` (MIN all-reduce on gloo);
+  all queue polls go through upstream's ``poll_and_all_reduce*`` (MIN all-reduce on gloo, or, with
+  the guard on, through the package's shared-memory reduction hooked on ``_all_reduce_polls`` as
+  the plugin registers it);
 - ``Scheduler.on_idle``; ``Scheduler.send_abort_output`` through upstream's ``SenderWrapper`` over a
   real zmq PUSH/PULL pair on TP rank 0 (the only rank with a tokenizer socket, as upstream);
 - ``Req`` objects, ``prepare_abort``, ``ReqToMetadataIdxAllocator``.
@@ -731,6 +733,22 @@ def setup_parent(tmp: str) -> None:
     runtime_context.publish(ServerArgs(model_path="dummy", device="cpu", disaggregation_mode="prefill"),
                             role="scheduler")
     prepare_loops(tmp)
+    _apply_poll_hook()
+
+
+def _apply_poll_hook() -> None:
+    """The guard area's poll hook, applied with upstream's HookRegistry as the plugin does (guard on).
+
+    It acts only on groups the guard set up, so the guard-off and upstream-loop scenarios keep gloo.
+    """
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from dsv4_sm120.guard import poll_reduce
+    from dsv4_sm120.hooks import hook
+
+    if poll_reduce.TARGET not in HookRegistry._patched:
+        hook(poll_reduce.TARGET, poll_reduce.all_reduce_polls)
+        HookRegistry.apply_hooks()
 
 
 def free_port() -> int:

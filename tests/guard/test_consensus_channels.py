@@ -137,3 +137,35 @@ def test_a_dead_rank_fails_the_survivors_fast_instead_of_hanging(monkeypatch):
     assert transport == "shm"
     assert "FAIL FAST" in why and "died" in why, why
     assert waited < 5.0, f"the survivor waited {waited:.1f} s"
+
+
+def _polls_through_upstream(rank: int, world: int, port: int, out) -> None:
+    try:
+        from sglang.srt.disaggregation import utils as upstream
+
+        from dsv4_sm120.guard import consensus
+
+        group = _init(rank, world, port)
+        before = upstream._all_reduce_polls([rank + 1, 4], group)  # no guard channel yet: gloo
+        consensus.Agreement(group).disagreeing_fields([0] * WIDTH)  # what the guard does first
+        upstream.all_reduce_flags = None  # from here on, a gloo reduction would raise TypeError
+        pollers = [SimpleNamespace(poll=lambda v=v: v) for v in ((rank + 2) % 5, 4 - rank, 3)]
+        after = [upstream.poll_and_all_reduce(pollers, group) for _ in range(ITERS)]
+        out.put((rank, before, after))
+    except BaseException as e:
+        out.put((rank, repr(e), None))
+
+
+def test_upstream_poll_reduction_goes_through_the_guards_shared_memory():
+    """Upstream's real ``poll_and_all_reduce`` with the plugin's hook applied, on 3 gloo ranks."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    import pd_loop_harness
+
+    pd_loop_harness._apply_poll_hook()
+    assert "sglang.srt.disaggregation.utils._all_reduce_polls" in HookRegistry._patched
+    world = 3
+    expected = [min((r + 2) % 5 for r in range(world)), 4 - (world - 1), 3]
+    for rank, before, after in _run_ranks(_polls_through_upstream, world):
+        assert before == [1, 4], f"rank {rank}: {before}"
+        assert after == [expected] * ITERS, f"rank {rank}: {after if after is None else after[:3]}"

@@ -1,10 +1,12 @@
-"""Hooks of the collective-guard area: a loud startup warning when the guard is not in the code.
+"""Hooks of the collective-guard area: a loud startup warning when the guard is not in the code,
+and the transfer polls' MIN-reduction through the guard's shared memory.
 
 The guard itself is a patch (``dsv4-sm120 patch apply``), not a hook; nothing
 here can turn it on. What a hook can do is notice, when a PD scheduler builds
 its disaggregation state, that the loaded loop modules lack the guard call,
 and say so where operators look, instead of letting the deadlock wait for the
-next mass abort.
+next mass abort. The poll hook (``poll_reduce``) acts only on groups the guard
+itself set up, so without the patch it never changes anything.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ TARGET = "sglang.srt.managers.scheduler.Scheduler.init_disaggregation"
 
 
 def register(cfg: Settings) -> None:
-    """Always register the startup check; it stays quiet when the guard is switched off on purpose."""
+    """With the guard on: the startup check and the shared-memory poll reduction; off: nothing."""
     if cfg.collective_guard:
+        from dsv4_sm120.guard import poll_reduce  # numpy and torch.distributed: only when the guard is on
+
         hook(TARGET, warn_if_unpatched)
+        hook(poll_reduce.TARGET, poll_reduce.all_reduce_polls)
 
 
 def warn_if_unpatched(result, scheduler, *args, **kwargs):
