@@ -4,11 +4,12 @@ Runs upstream's REAL patched ``event_loop_overlap_disagg_prefill`` through the t
 (``tests/guard/pd_loop_harness.py``: no model, forward replaced by its TP all-reduces) with
 ``queued`` requests waiting in the bootstrap queue, so every iteration does upstream's real request
 broadcast and bootstrap poll all-reduce. The same group alternates rounds with the guard switched
-off (``DSV4_SM120_COLLECTIVE_GUARD=0``: the loop is upstream's) and on, in one run; the guard's
+off (``DSV4_SM120_COLLECTIVE_GUARD=0``: the loop is upstream's) and on (the guard, and the polls
+MIN-reduced through its shared memory by the plugin's hook, as shipped), in one run; the guard's
 cost is the difference of the medians (``guard_cost_us``); ``us_inside_guard_call`` is the time spent
 inside the guard call itself (median over ranks), which includes waiting for the slowest rank. Not a test: CPU-only figures, machine noise included.
 
-    /work/venv/bin/python bench/guard_cpu.py --out bench/results/guard_cpu_$(date +%F).json
+    /work/venv/bin/python bench/guard_cpu.py --out bench/results/guard_cpu_realloop_$(date +%F).json
 """
 
 from __future__ import annotations
