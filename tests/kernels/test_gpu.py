@@ -64,3 +64,51 @@ def test_page_copy_between_pinned_host_and_device():
     copy_pages(dev, back, dst, src)
     torch.cuda.synchronize()
     assert torch.equal(back[src.long().cpu()], host[src.long().cpu()])
+
+
+def _registered_vram(pages: torch.Tensor):
+    """What ``pd_integrity`` reads of a registered VRAM buffer: the NIXL manager's kv_args, by pointer."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(kv_item_lens=[pages.shape[1]], kv_data_ptrs=[pages.data_ptr()],
+                           kv_data_lens=[pages.numel()], kv_data_mem_kinds=["VRAM"], gpu_id=pages.device.index or 0)
+
+
+def test_pd_checksum_reads_registered_vram_pages_by_pointer():
+    """The PD integrity check's device path (no sglang needed): rows viewed at the registered
+    pointer through ``__cuda_array_interface__``, selected by page index, summed by the kernel,
+    equal to the CPU reference of the same bytes; one flipped bit moves exactly that page's sum."""
+    import numpy as np
+
+    from dsv4_sm120.index_k import pd_integrity
+    from dsv4_sm120.kernels.page_checksum import page_checksum_ref
+
+    pages = torch.randint(0, 256, (300, 16384), dtype=torch.uint8, device="cuda")
+    kv_args = _registered_vram(pages)
+    order = np.array([5, 0, 299, 17, 128])
+    got = pd_integrity._checksums(kv_args, 0, order)
+    assert np.array_equal(got, page_checksum_ref(pages.cpu()[torch.as_tensor(order)]).numpy())
+    pages[17, 1234] ^= 1
+    moved = pd_integrity._checksums(kv_args, 0, order) != got
+    assert moved.tolist() == [False, False, False, True, False]
+
+
+def test_pd_checksum_waits_for_an_early_send_event():
+    """An early send is queued before the forward that writes its pages has finished: the prefill's
+    checksum must wait on the send's event and see the final bytes."""
+    import numpy as np
+
+    from dsv4_sm120.index_k import pd_integrity
+    from dsv4_sm120.kernels.page_checksum import page_checksum_ref
+
+    pages = torch.zeros(64, 16384, dtype=torch.uint8, device="cuda")
+    kv_args = _registered_vram(pages)
+    forward = torch.cuda.Stream()
+    with torch.cuda.stream(forward):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the write lands
+        pages[7].fill_(9)
+        done = torch.cuda.Event()
+        done.record(forward)
+    got = pd_integrity._checksums(kv_args, 0, np.array([7]), wait_event=done)
+    final = torch.full((1, 16384), 9, dtype=torch.uint8)
+    assert np.array_equal(got, page_checksum_ref(final).numpy())
