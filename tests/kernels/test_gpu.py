@@ -103,9 +103,11 @@ def test_pd_checksum_waits_for_an_early_send_event():
 
     pages = torch.zeros(64, 16384, dtype=torch.uint8, device="cuda")
     kv_args = _registered_vram(pages)
+    pd_integrity._checksums(kv_args, 0, np.array([0]))  # compile the kernel before the race, not during it
+    torch.cuda.synchronize()
     forward = torch.cuda.Stream()
     with torch.cuda.stream(forward):
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the write lands
+        torch.cuda._sleep(1_000_000_000)  # about half a second of GPU time before the write lands
         pages[7].fill_(9)
         done = torch.cuda.Event()
         done.record(forward)
