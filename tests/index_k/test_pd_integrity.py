@@ -6,7 +6,7 @@ Receiver and bootstrap server, real NIXL agents over UCX DRAM-to-DRAM on
 like bf16 index-K page rows (16384 B) and both sides' PD layout tagged
 ``index_k:bf16``, as a bf16 DSV4 pool registers them. Only the model is absent:
 the pages hold random bytes. The checksum runs on CPU tensors (the kernel's torch
-reference); its CUDA path on VRAM is not exercised here.
+reference); its CUDA path on VRAM is tested in tests/kernels/test_gpu.py (-m gpu).
 
 The hooks are registered as ``load_plugins`` registers them with the switch on;
 ``DSV4_SM120_INDEX_K_CHECKSUM=0 pytest tests/index_k/test_pd_integrity.py``
