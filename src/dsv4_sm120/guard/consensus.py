@@ -6,9 +6,9 @@ the same answer: which fields differ between ranks. Two channels give that answe
 - Shared memory, when every rank of the group runs on one host (the usual TP layout): each rank
   writes its vector into its own slot of a small mapped file and waits until every slot carries
   this operation's sequence number; every rank then reads the same rows and computes the same
-  answer locally. One memory round trip instead of network hops: any gloo collective costs
-  ~0.3-0.9 ms at TP=2-8 even on an idle 16-core host (bench/results/guard_cpu_2026-11-30.json),
-  which alone misses the guard's 100 us budget.
+  answer locally. One memory round trip instead of network hops: over gloo the same agreement
+  (two collectives) added 0.37-0.60 ms per iteration at TP=2-8 on an idle 16-core host
+  (bench/results/guard_cpu_2026-11-30.json), far over the guard's 100 us budget.
 - Gloo, across hosts or when the mapped file cannot be shared: the vectors are gathered to the
   group's first rank, which broadcasts one disagreement flag per field (two collective phases
   whatever the group size; a MIN/MAX all-reduce takes 2(N-1) sequential ring hops).
@@ -56,7 +56,8 @@ _shared_by_group: dict = {}  # group -> its newest shared-memory Agreement (what
 
 
 class PeerLost(RuntimeError):
-    """A rank of the group died or stopped arriving while the others waited for it."""
+    """The group's ranks no longer move in step: one died, stopped arriving, or brought a poll list
+    of another length than the others."""
 
 
 def groups_of(scheduler) -> list:

@@ -20,7 +20,6 @@ import logging
 import os
 import threading
 
-
 from dsv4_sm120.guard import consensus, reconcile, snapshot
 from dsv4_sm120.guard.counters import Counters
 
