@@ -2,7 +2,8 @@
 
 Shared by every test that needs a ``ModelConfig``: a DeepSeek-V4 config shaped
 like V4-Flash's indexer (128-dim index keys, 64 index heads, C4 layers) but
-with few layers, and a non-DSV4 config for the refusal paths.
+with few layers, a DeepSeek-V4.1 config (the same plus ratio-1/2 layers with
+their kv and index source layers), and a non-DSV4 config for the refusal paths.
 """
 
 from __future__ import annotations
@@ -43,6 +44,28 @@ def write_tiny_dsv4(dirpath: Path, num_layers: int = 4) -> Path:
         "max_position_embeddings": 65536,
         "torch_dtype": "bfloat16",
     }
+    (dirpath / "config.json").write_text(json.dumps(config))
+    return dirpath
+
+
+# Tiny V4.1: one layer of each compress ratio V4.1 has, ratio-1/2 pairs whose first
+# layer owns the compressed KV and the fp4 indexer, then the MTP slot (ratio 0).
+DSV41_COMPRESS_RATIOS = [4, 1, 1, 2, 2, 128]
+DSV41_SOURCE_LAYERS = [1, 3]
+
+
+def write_tiny_dsv41(dirpath: Path) -> Path:
+    """A DeepSeek-V4.1 checkpoint directory with a config.json only, as V4.1 ships it
+    (architecture ``DeepseekV41ForCausalLM``, model_type ``deepseek_v41``)."""
+    write_tiny_dsv4(dirpath, num_layers=len(DSV41_COMPRESS_RATIOS))
+    config = json.loads((dirpath / "config.json").read_text())
+    config.update(
+        architectures=["DeepseekV41ForCausalLM"],
+        model_type="deepseek_v41",
+        compress_ratios=DSV41_COMPRESS_RATIOS + [0],
+        kv_source_layer_ids=DSV41_SOURCE_LAYERS,
+        index_source_layer_ids=DSV41_SOURCE_LAYERS,
+    )
     (dirpath / "config.json").write_text(json.dumps(config))
     return dirpath
 

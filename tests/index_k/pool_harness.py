@@ -34,7 +34,8 @@ def publish(model_dir: Path, model_impl: str, **extra):
     return args
 
 
-def configurator(model_dir: Path, model_impl: str, budget_bytes: int = BUDGET_BYTES, **server_extra):
+def configurator(model_dir: Path, model_impl: str, budget_bytes: int = BUDGET_BYTES, num_layers: int = NUM_LAYERS,
+                 **server_extra):
     """A published, ready ``KVCacheConfigurator`` whose memory probe answers ``budget_bytes``."""
     from sglang.srt.configs.model_config import AttentionArch, ModelConfig
     from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
@@ -61,15 +62,17 @@ def configurator(model_dir: Path, model_impl: str, budget_bytes: int = BUDGET_BY
         is_hybrid_swa=model_config.is_hybrid_swa,
         is_hybrid_swa_compress=model_config.is_hybrid_swa_compress,
         use_mla_backend=model_config.attention_arch == AttentionArch.MLA,
-        layer_info=ModelLayerInfo(start_layer=0, end_layer=NUM_LAYERS, num_effective_layers=NUM_LAYERS),
+        layer_info=ModelLayerInfo(start_layer=0, end_layer=num_layers, num_effective_layers=num_layers),
         forward_stream=None, req_to_token_pool=None, token_to_kv_pool_allocator=None,
         memory_pool_config=None,
     )
 
 
-def build(model_dir: Path, model_impl: str, budget_bytes: int = BUDGET_BYTES, **server_extra):
+def build(model_dir: Path, model_impl: str, budget_bytes: int = BUDGET_BYTES, num_layers: int = NUM_LAYERS,
+          **server_extra):
     """Plan and allocate through ``configure()``; returns its ``KVCacheConfigResult``."""
-    return configurator(model_dir, model_impl, budget_bytes, **server_extra).configure(pre_model_load_memory=0)
+    return configurator(model_dir, model_impl, budget_bytes, num_layers, **server_extra).configure(
+        pre_model_load_memory=0)
 
 
 def tiny_checkpoint(tmp_dir: Path) -> Path:
