@@ -32,10 +32,10 @@ def test_logits_decode_shape_matches_fp32_reference():
     out = torch.full((len(lens), 70016), float("nan"), device="cuda")
     bf16_paged_mqa_logits(q, pages, w, sl, pt, 70016, out=out)
     ref = paged_mqa_logits_ref(q, pages, w, sl, pt, 70016, rows_per_chunk=2)
-    assert not out.isnan().any()
     fin = torch.isfinite(ref)
-    assert torch.equal(fin, torch.isfinite(out))
-    assert ((out[fin] - ref[fin]).norm() / ref[fin].norm()) < 1e-4
+    assert not out[fin].isnan().any(), "every live element written"
+    assert out[~fin].isnan().all(), "nothing written past a row's length"
+    assert ((out[fin] - ref[fin]).norm() / ref[fin].norm()) < 1e-5
     for r, n in enumerate(lens):
         k = min(512, n)
         a = set(torch.topk(out[r, :n], k).indices.tolist())

@@ -72,17 +72,21 @@ def test_model_switches_every_c4_indexer(kern):
         use_bf16_indexers(torch.nn.ModuleList([_indexer(C4Indexer, gen, use_fp4=True)]))
 
 
-def test_bf16_indexer_selects_the_reference_top512(kv, kern, env_torch_logits):
+def _decode_case(kv, seed, *, query_rows=2, chunk_rows=None):
+    """Two decode rows, 700 compressed keys (a real top-512) and 300 (fewer than 512), on the real bf16 pool.
+
+    ``query_rows`` > 2 gives x one padding row more than q_lora and positions (graph capture pads so);
+    ``chunk_rows`` sets the metadata's ``rows_per_chunk`` as upstream's DeepGEMM path decides it (with the
+    torch-logits switch that path is off, so it is set here by hand).
+    """
     from sglang.srt.layers.attention.dsa.dsa_topk_backend import DSATopKBackend
-    from sglang.srt.layers.attention.dsv4 import indexer as upstream_indexer
     from sglang.srt.layers.attention.dsv4.metadata import PagedIndexerMetadata
 
     from dsv4_sm120.model.deepseek_v4 import BF16C4Indexer
 
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed)
     ind = _indexer(BF16C4Indexer, gen)
     pages = kv.index_k_pages_bf16(C4_LAYER)
-    # two decode rows: 700 compressed keys (a real top-512) and 300 (fewer than 512)
     lens = [700, 300]
     table = torch.tensor([[5, 1, 9, 2, 7, 0, 3, 4, 6, 8, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]],
                          dtype=torch.int32)
@@ -93,34 +97,67 @@ def test_bf16_indexer_selects_the_reference_top512(kv, kern, env_torch_logits):
         kv.set_index_k_bf16(C4_LAYER, slots, torch.randn(n, D, generator=gen).to(torch.bfloat16))
     im = PagedIndexerMetadata(page_size=256, compressed_page_size=PAGE, page_table=table,
                               compressed_seq_lens=torch.tensor(lens, dtype=torch.int32), use_topk_v2=False)
+    im.rows_per_chunk = chunk_rows
     out_pages = torch.full((2, 512), -7, dtype=torch.int32)
     core = SimpleNamespace(positions=torch.tensor([2800, 1200]), c4_sparse_page_indices=out_pages,
                            c4_sparse_raw_indices=None)
-    backend = SimpleNamespace(token_to_kv_pool=kv, hisparse_coordinator=None, dsa_topk_backend=DSATopKBackend.TORCH,
+    backend = SimpleNamespace(token_to_kv_pool=kv, dsa_topk_backend=DSATopKBackend.TORCH,
                               forward_metadata=SimpleNamespace(indexer_metadata=im, core_metadata=core))
-    x = torch.randn(2, 48, generator=gen).to(torch.bfloat16)
+    x = torch.randn(query_rows, 48, generator=gen).to(torch.bfloat16)
     q_lora = torch.randn(2, 32, generator=gen).to(torch.bfloat16)
+    return SimpleNamespace(ind=ind, pages=pages, lens=lens, table=table, im=im, core=core, backend=backend,
+                           x=x, q_lora=q_lora, out_pages=out_pages)
+
+
+def _forward(c, **kw):
+    from sglang.srt.layers.attention.dsv4 import indexer as upstream_indexer
+
     fb = SimpleNamespace(forward_mode=SimpleNamespace(is_idle=lambda: False))
     old = upstream_indexer.get_global_indexer_capturer
     upstream_indexer.get_global_indexer_capturer = lambda: None  # no runtime resources published in this process
     try:
-        ind.forward(x, q_lora, fb, backend, skip_compressor=True)
+        c.ind.forward(c.x, c.q_lora, fb, c.backend, **kw)
     finally:
         upstream_indexer.get_global_indexer_capturer = old
 
+
+@pytest.mark.parametrize("chunk_rows", [None, 1])
+def test_bf16_indexer_selects_the_reference_top512(kv, kern, env_torch_logits, chunk_rows):
+    c = _decode_case(kv, 1, chunk_rows=chunk_rows)
+    _forward(c, skip_compressor=True)
+
     # reference: float64 scores from the same bf16 query and keys, top-512 per row, mapped to pool slots
-    w, _ = ind.weights_proj(x)
-    q, wq = kern.index_query.index_query_bf16_ref(ind.wq_b(q_lora)[0].view(2, HEADS, D), w, ind.weight_scale,
-                                                  ind.freqs_cis, core.positions)
-    ref = kern.mqa_logits.paged_mqa_logits_ref(q, pages, wq, im.compressed_seq_lens, table, 768,
+    w, _ = c.ind.weights_proj(c.x)
+    q, wq = kern.index_query.index_query_bf16_ref(c.ind.wq_b(c.q_lora)[0].view(2, HEADS, D), w, c.ind.weight_scale,
+                                                  c.ind.freqs_cis, c.core.positions)
+    ref = kern.mqa_logits.paged_mqa_logits_ref(q, c.pages, wq, c.im.compressed_seq_lens, c.table, 768,
                                                dtype=torch.float64)
-    for r, n in enumerate(lens):
+    for r, n in enumerate(c.lens):
         k = min(512, n)
         raw = torch.topk(ref[r, :n], k).indices
-        want = set((table[r].long()[raw // PAGE] * PAGE + raw % PAGE).tolist())
-        got = out_pages[r]
+        want = set((c.table[r].long()[raw // PAGE] * PAGE + raw % PAGE).tolist())
+        got = c.out_pages[r]
         assert set(got[:k].tolist()) == want
         assert (got[k:] == -1).all()
+
+
+def test_compressor_gets_only_the_query_rows(kv, kern, env_torch_logits, monkeypatch):
+    # x carries one padding row more than q_lora and positions; upstream trims all three before the compressor
+    from dsv4_sm120.model import deepseek_v4
+
+    seen = []
+    monkeypatch.setattr(deepseek_v4, "store_index_keys", lambda ind, backend, x, fb: seen.append(x.shape[0]))
+    c = _decode_case(kv, 3, query_rows=3)
+    _forward(c)
+    assert seen == [2], "the compressor must see the rows the query and the metadata have"
+
+
+def test_chunked_metadata_for_other_rows_is_refused(kv, kern, env_torch_logits):
+    # the per-chunk top-k plans were built for the metadata's rows; scoring other rows would misalign them
+    c = _decode_case(kv, 4, chunk_rows=1)
+    c.im.compressed_seq_lens = torch.tensor([700, 300, 5], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="chunked for 3 query rows but this forward has 2"):
+        _forward(c, skip_compressor=True)
 
 
 def test_bf16_store_path_writes_the_decode_plan_slots(kv, kern, monkeypatch):

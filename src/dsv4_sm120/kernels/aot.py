@@ -31,8 +31,10 @@ class KernelSpec:
 
 
 def _store_spec(mode: int) -> KernelSpec:
-    sig = {"kv_ptr": "*bf16", "stride_kv": "i64", "plan_ptr": "*i32", "pos_ptr": "*i64", "loc_ptr": "*i64",
-           "w_ptr": "*bf16", "freqs_ptr": "*fp32", "pages_ptr": "*bf16", "n_rows": "i32", "eps": "fp32", "ratio": "i32"}
+    # upstream's compressor hands the store fp32 rows (bf16 x bf16 -> fp32 GEMM, then compress_forward in the
+    # input dtype) and the store casts the norm weight to that dtype
+    sig = {"kv_ptr": "*fp32", "stride_kv": "i64", "plan_ptr": "*i32", "pos_ptr": "*i64", "loc_ptr": "*i64",
+           "w_ptr": "*fp32", "freqs_ptr": "*fp32", "pages_ptr": "*bf16", "n_rows": "i32", "eps": "fp32", "ratio": "i32"}
     return KernelSpec(f"index_k_store[mode={mode}]", index_k_store._store_kernel, sig,
                       {"MODE": mode, "BLOCK_N": index_k_store.BLOCK_N, "D": HEAD_DIM, "ROPE": ROPE_DIM,
                        "PAGE": PAGE_SLOTS})
@@ -41,7 +43,8 @@ def _store_spec(mode: int) -> KernelSpec:
 def _logits_spec(block_k: int) -> KernelSpec:
     sig = {"q_ptr": "*bf16", "w_ptr": "*fp32", "kv_ptr": "*bf16", "seq_ptr": "*i32", "pt_ptr": "*i32",
            "out_ptr": "*fp32", "stride_q_row": "i64", "stride_q_head": "i64", "stride_w_row": "i64",
-           "stride_pt_row": "i64", "stride_out_row": "i64", "max_seq_len": "i32", "tiles_per_prog": "i32"}
+           "stride_pt_row": "i64", "stride_out_row": "i64", "max_seq_len": "i32", "splits": "i32",
+           "min_tiles": "i32"}
     return KernelSpec(f"mqa_logits[block_k={block_k}]", mqa_logits._logits_kernel, sig,
                       {"H": 64, "D": HEAD_DIM, "PAGE": PAGE_SLOTS, "BLOCK_K": block_k, "FP32_DOT": False})
 

@@ -1,17 +1,27 @@
 """Paged MQA logits over bf16 index-K pages (the C4 lightning indexer's scores).
 
-    logits[t, n] = sum_h w[t, h] * relu(q[t, h] . k[n])   for n < seq_lens[t]
-    logits[t, n] = -inf                                    for seq_lens[t] <= n < max_seq_len
+    logits[t, n] = sum_h w[t, h] * relu(q[t, h] . k[n])   for n < min(seq_lens[t], max_seq_len)
 
 where key n of row t lives at page ``page_table[t, n // 64]``, row ``n % 64`` of
 the bf16 pool ``[num_pages, 64, 128]``. The output is fp32 ``[rows, max_seq_len]``,
 contiguous: the shape and dtype upstream's paged top-k transforms
-(``--dsa-topk-backend`` sgl-kernel / torch / flashinfer) read, with upstream's
-sm_120 convention of -inf past each row's length. One program scores one query
-row over a range of key tiles: each key tile [BLOCK_K, 128] is one tensor-core
-product against the row's 64 heads, then relu, weight and a sum over heads in
-registers; keys are read once per row, so decode streams the pool at HBM speed
-and prefill reuses keys from L2.
+(``--dsa-topk-backend`` sgl-kernel / torch / flashinfer) read.
+
+Columns at or past a row's length are neither computed nor written. In decode
+and target-verify upstream sizes ``max_seq_len`` to the CUDA-graph capture
+width (context / 4 for every row), so writing -inf there would cost time in
+proportion to the context the server could hold, not to the keys a request
+has. No transform reads past ``seq_lens`` (the torch and flashinfer ones mask
+by it before selecting, sgl-kernel's only loop to it; tests/kernels/
+test_topk_poison.py poisons that region and checks the selection), and
+upstream's own TileLang kernel leaves it unwritten too.
+
+One program scores one query row over a contiguous range of key tiles: each
+key tile [BLOCK_K, 128] is one tensor-core product against the row's 64 heads,
+then relu, weight and a sum over heads in registers. The launch grid depends on
+the width only through a cap, and the work per program is set on the device
+from the row's live length, so a request with 4k keys is scored the same way
+whatever the width.
 """
 
 from __future__ import annotations
@@ -26,46 +36,44 @@ from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, check_pages
 # Defaults from the H200 sweep in bench/results/indexer_h200_*.json (decode and prefill agree on them).
 DEFAULT_BLOCK_K = 64
 TARGET_PROGRAMS = 2048  # ~15 programs per SM: enough loads in flight for decode, one pass per row for prefill
+MIN_TILES_PER_PROGRAM = 4  # a program that scores fewer key tiles spends most of its time loading q
 
 
 @triton.jit
 def _logits_kernel(
     q_ptr, w_ptr, kv_ptr, seq_ptr, pt_ptr, out_ptr,
     stride_q_row, stride_q_head, stride_w_row, stride_pt_row, stride_out_row,
-    max_seq_len, tiles_per_prog,
+    max_seq_len, splits, min_tiles,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
     row64 = row.to(tl.int64)
-    seq = tl.load(seq_ptr + row)
-    heads = tl.arange(0, H)
-    dims = tl.arange(0, D)
-    q_t = tl.load(q_ptr + row64 * stride_q_row + heads[None, :] * stride_q_head + dims[:, None])  # [D, H]
-    w = tl.load(w_ptr + row64 * stride_w_row + heads).to(tl.float32)
-    out_row = out_ptr + row64 * stride_out_row
-    pt_row = pt_ptr + row64 * stride_pt_row
-
-    total_tiles = tl.cdiv(max_seq_len, BLOCK_K)
-    t0 = split * tiles_per_prog
-    t1 = tl.minimum(t0 + tiles_per_prog, total_tiles)
-    t_valid = tl.maximum(tl.minimum(t1, tl.cdiv(seq, BLOCK_K)), t0)
-    offs = tl.arange(0, BLOCK_K)
-    for t in range(t0, t_valid):
-        n = t * BLOCK_K + offs
-        live = n < seq
-        page = tl.load(pt_row + n // PAGE, mask=live, other=0).to(tl.int64)
-        k = tl.load(kv_ptr + (page * (PAGE * D) + (n % PAGE) * D)[:, None] + dims[None, :],
-                    mask=live[:, None], other=0.0)  # [BLOCK_K, D]
-        if FP32_DOT:  # the CPU interpreter's bf16 dot is wrong; exact bf16 products in fp32 agree
-            s = tl.dot(k.to(tl.float32), q_t.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(k, q_t)  # [BLOCK_K, H] fp32 accumulate
-        s = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)
-        tl.store(out_row + n, tl.where(live, s, float("-inf")), mask=n < max_seq_len)
-    for t in range(t_valid, t1):
-        n = t * BLOCK_K + offs
-        tl.store(out_row + n, tl.full([BLOCK_K], float("-inf"), tl.float32), mask=n < max_seq_len)
+    seq = tl.minimum(tl.load(seq_ptr + row), max_seq_len)
+    live_tiles = tl.cdiv(seq, BLOCK_K)
+    tiles = tl.maximum(tl.cdiv(live_tiles, splits), min_tiles)  # this row's share per program
+    t0 = split * tiles
+    t1 = tl.minimum(t0 + tiles, live_tiles)
+    if t0 < t1:
+        heads = tl.arange(0, H)
+        dims = tl.arange(0, D)
+        q_t = tl.load(q_ptr + row64 * stride_q_row + heads[None, :] * stride_q_head + dims[:, None])  # [D, H]
+        w = tl.load(w_ptr + row64 * stride_w_row + heads).to(tl.float32)
+        out_row = out_ptr + row64 * stride_out_row
+        pt_row = pt_ptr + row64 * stride_pt_row
+        offs = tl.arange(0, BLOCK_K)
+        for t in range(t0, t1):
+            n = t * BLOCK_K + offs
+            live = n < seq
+            page = tl.load(pt_row + n // PAGE, mask=live, other=0).to(tl.int64)
+            k = tl.load(kv_ptr + (page * (PAGE * D) + (n % PAGE) * D)[:, None] + dims[None, :],
+                        mask=live[:, None], other=0.0)  # [BLOCK_K, D]
+            if FP32_DOT:  # the CPU interpreter's bf16 dot is wrong; exact bf16 products in fp32 agree
+                s = tl.dot(k.to(tl.float32), q_t.to(tl.float32), input_precision="ieee")
+            else:
+                s = tl.dot(k, q_t)  # [BLOCK_K, H] fp32 accumulate
+            s = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)
+            tl.store(out_row + n, s, mask=live)
 
 
 def _normalize(q, weights, seq_lens, page_table):
@@ -103,11 +111,17 @@ def bf16_paged_mqa_logits(
     *,
     out: torch.Tensor | None = None,
     block_k: int = DEFAULT_BLOCK_K,
-    tiles_per_prog: int | None = None,
+    splits: int | None = None,
+    min_tiles: int = MIN_TILES_PER_PROGRAM,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
-    """fp32 logits [rows, max_seq_len] of bf16 queries against the bf16 index-K pool (see module doc)."""
+    """fp32 logits [rows, max_seq_len] of bf16 queries against the bf16 index-K pool (see module doc).
+
+    Only ``[0, min(seq_lens[t], max_seq_len))`` of row t is written. ``splits`` programs share a row
+    (default: enough programs to fill the GPU, fewer when the width has too few tiles), each taking at
+    least ``min_tiles`` key tiles of the row's live length.
+    """
     check_pages(pages)
     q, weights, seq_lens, page_table = _normalize(q, weights, seq_lens, page_table)
     rows = q.shape[0]
@@ -117,14 +131,12 @@ def bf16_paged_mqa_logits(
         raise ValueError(f"out must be fp32 [{rows}, {max_seq_len}] with unit inner stride")
     if rows == 0 or max_seq_len == 0:
         return out
-    total_tiles = triton.cdiv(max_seq_len, block_k)
-    if tiles_per_prog is None:  # split long rows only when there are too few rows to fill the GPU
-        tiles_per_prog = max(4, min(total_tiles, triton.cdiv(rows * total_tiles, TARGET_PROGRAMS)))
-    splits = triton.cdiv(total_tiles, tiles_per_prog)
-    _logits_kernel[(rows, splits)](
+    if splits is None:  # split rows only when there are too few to fill the GPU; never past the width
+        splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, rows), triton.cdiv(max_seq_len, block_k * min_tiles)))
+    _logits_kernel[(rows, int(splits))](
         q, weights, pages, seq_lens, page_table, out,
         q.stride(0), q.stride(1), weights.stride(0), page_table.stride(0), out.stride(0),
-        max_seq_len, tiles_per_prog,
+        max_seq_len, int(splits), int(min_tiles),
         H=q.shape[1], D=HEAD_DIM, PAGE=PAGE_SLOTS, BLOCK_K=block_k, FP32_DOT=interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -133,7 +145,10 @@ def bf16_paged_mqa_logits(
 
 def paged_mqa_logits_ref(q, pages, weights, seq_lens, page_table, max_seq_len, *, dtype=torch.float32,
                          rows_per_chunk: int = 256) -> torch.Tensor:
-    """Plain torch reference in ``dtype`` (fp32 or fp64) on upcast inputs, chunked over rows."""
+    """Plain torch reference in ``dtype`` (fp32 or fp64) on upcast inputs, chunked over rows.
+
+    Columns past a row's length hold -inf here (the kernel leaves them unwritten); compare the live part.
+    """
     check_pages(pages)
     q, weights, seq_lens, page_table = _normalize(q, weights, seq_lens, page_table)
     rows = q.shape[0]

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from sglang.srt.layers.attention.dsv4 import indexer as upstream_indexer
 from sglang.srt.layers.attention.dsv4.indexer import C4Indexer
 from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+from sglang.srt.runtime_context import get_memory
 
 from dsv4_sm120 import settings
 from dsv4_sm120.kernels.index_k_store import store_index_k_bf16
@@ -49,9 +50,23 @@ class BF16C4Indexer(C4Indexer):
             return
         if q_lora_ready is not None:  # produced on another stream; everything here runs on the current one
             torch.cuda.current_stream().wait_event(q_lora_ready)
+        positions = attn_backend.forward_metadata.core_metadata.positions
+        x, q_lora, q_lora_quant, positions = common_rows(x, q_lora, q_lora_quant, positions)
         if not skip_compressor:
             store_index_keys(self, attn_backend, x, forward_batch)
-        select_topk(self, attn_backend, x, q_lora, q_lora_quant)
+        select_topk(self, attn_backend, x, q_lora, positions, q_lora_quant)
+
+
+def common_rows(x, q_lora, q_lora_quant, positions):
+    """x, q_lora and positions cut to their common row count before anything reads them, as upstream does.
+
+    Under graph capture and DP padding the three can differ; the compressor's decode kernel needs its
+    kv rows to equal the plan's rows, and the query rows must match the metadata's.
+    """
+    n = min(x.shape[0], q_lora.shape[0], positions.shape[0])
+    if q_lora.shape[0] != n:
+        q_lora, q_lora_quant = q_lora[:n], None
+    return x[:n], q_lora, q_lora_quant, positions[:n]
 
 
 def store_index_keys(indexer: C4Indexer, backend, x: torch.Tensor, forward_batch) -> None:
@@ -92,22 +107,22 @@ def _rows(tensor: torch.Tensor, rows: int, value) -> torch.Tensor:
     return F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, rows - tensor.shape[0]), value=value)
 
 
-def select_topk(indexer: C4Indexer, backend, x, q_lora, q_lora_quant=None) -> None:
-    """Score every query row against its request's bf16 keys and write the top-k pool slots upstream reads."""
-    if getattr(backend, "hisparse_coordinator", None) is not None:
-        raise BF16IndexerUnsupported(
-            "hierarchical sparse attention (hisparse) is not supported with bf16 index keys; "
-            "set DSV4_SM120_INDEX_K_DTYPE=fp8 to use it"
-        )
+def select_topk(indexer: C4Indexer, backend, x, q_lora, positions, q_lora_quant=None) -> None:
+    """Score every query row against its request's bf16 keys and write the top-k pool slots upstream reads.
+
+    ``x``, ``q_lora`` and ``positions`` have their common row count (:func:`common_rows`).
+    """
     meta = backend.forward_metadata
     im, core = meta.indexer_metadata, meta.core_metadata
-    positions = core.positions
-    n = min(x.shape[0], q_lora.shape[0], positions.shape[0])
-    if q_lora.shape[0] != n:
-        q_lora, q_lora_quant = q_lora[:n], None
-    weights = indexer.compute_weights(x[:n], skip_scale=True)
-    q, weights = indexer.compute_q(q_lora, positions[:n], weights, q_lora_quant)
+    weights = indexer.compute_weights(x, skip_scale=True)
+    q, weights = indexer.compute_q(q_lora, positions, weights, q_lora_quant)
     rows = q.shape[0]
+    step = im.rows_per_chunk or rows
+    if step < rows and rows != im.compressed_seq_lens.shape[0]:
+        raise RuntimeError(
+            f"the indexer metadata was chunked for {im.compressed_seq_lens.shape[0]} query rows but this "
+            f"forward has {rows}: the per-chunk top-k plans would not line up with the rows they score"
+        )
     seq_lens = _rows(im.compressed_seq_lens, rows, 1).reshape(-1)
     page_table = _rows(im.page_table, rows, 0)
     out_pages = _rows(core.c4_sparse_page_indices, rows, -1)
@@ -116,7 +131,6 @@ def select_topk(indexer: C4Indexer, backend, x, q_lora, q_lora_quant=None) -> No
     if raw is None and capturer is not None:
         raw = torch.empty_like(out_pages)
     pages = backend.token_to_kv_pool.index_k_pages_bf16(indexer.layer_id)  # behind the HiCache load fence
-    step = im.rows_per_chunk or rows
     chunk_plans = getattr(im, "topk_metadata_chunks", None)
     for i, start in enumerate(range(0, rows, max(1, step))):
         r = slice(start, min(rows, start + step))
@@ -147,8 +161,17 @@ def run_topk_transform(backend, im, logits, seq_lens, page_table, out_pages, raw
         upstream_indexer.topk_transform_paged(logits, seq_lens, page_table, out_pages, page_size, raw)
 
 
-def use_bf16_indexers(model: torch.nn.Module) -> int:
-    """Switch every upstream C4 indexer in ``model`` to :class:`BF16C4Indexer`; returns how many."""
+def use_bf16_indexers(model: torch.nn.Module, *, hisparse: bool = False) -> int:
+    """Switch every upstream C4 indexer in ``model`` to :class:`BF16C4Indexer`; returns how many.
+
+    Features the bf16 indexer does not carry are refused here, at model build, before any pool or
+    CUDA graph exists, rather than in the first forward.
+    """
+    if hisparse:
+        raise BF16IndexerUnsupported(
+            "--enable-hisparse (hierarchical sparse attention) and bf16 index keys exclude each other; "
+            "drop the flag or set DSV4_SM120_INDEX_K_DTYPE=fp8"
+        )
     count = 0
     for module in model.modules():
         if type(module) is C4Indexer:
@@ -168,4 +191,7 @@ class DeepseekV4ForCausalLMSM120(DeepseekV4ForCausalLM):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.index_k_dtype = settings.load().index_k_dtype
-        self.bf16_indexers = use_bf16_indexers(self) if self.index_k_dtype == "bf16" else 0
+        if self.index_k_dtype == "bf16":
+            self.bf16_indexers = use_bf16_indexers(self, hisparse=bool(get_memory().enable_hisparse))
+        else:
+            self.bf16_indexers = 0

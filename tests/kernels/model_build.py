@@ -1,0 +1,134 @@
+"""Build ``DeepseekV4ForCausalLMSM120`` through upstream's real ``__init__`` on the CPU and report what it built.
+
+Run as a script in a fresh interpreter (tests/kernels/test_model_build.py does): it publishes a real
+CPU ``ServerArgs`` with sglang's ``runtime_context.publish``, builds real gloo process groups of one
+rank with sglang's ``init_distributed_environment`` / ``initialize_model_parallel``, reads a real
+``ModelConfig`` from a tiny DeepSeek-V4 ``config.json`` (tests/tiny_checkpoints.py, plus the keys a
+released V4 config carries that the model's layers read: hyper-connection, MoE gate and YaRN fields),
+and constructs the package's model class with no weights loaded, once per scenario. Prints one line
+``RESULT <json>``.
+
+Replaced, because it cannot run here: ``vllm._custom_ops``, which upstream's rotary-embedding base class
+imports at construction on a host that is neither CUDA nor the CPU engine (the CPU engine, for its part,
+loads sgl-kernel's CUDA library at publish). The stand-in module's ``rotary_embedding`` raises if called;
+nothing calls it while a model is built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import traceback
+import types
+from pathlib import Path
+
+TESTS_DIR = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(TESTS_DIR))
+
+from tiny_checkpoints import write_tiny_dsv4  # noqa: E402
+
+# Keys a released DeepSeek-V4 config.json has that the tiny config leaves out; values are the
+# released model's where they are a choice of algorithm, small where they size something.
+BUILD_KEYS = {
+    "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "topk_method": "noaux_tc", "scoring_func": "sqrtsoftplus",
+    "routed_scaling_factor": 1.5, "n_shared_experts": 1, "norm_topk_prob": True, "n_group": 1,
+    "topk_group": 1, "n_hash_layers": 0, "rms_norm_eps": 1e-6, "hidden_act": "silu", "window_size": 128,
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16384,
+                     "beta_fast": 32, "beta_slow": 1},
+}
+
+
+def _stand_in_vllm_ops() -> None:
+    def rotary_embedding(*args, **kwargs):
+        raise NotImplementedError("vllm._custom_ops stand-in: no forward runs in this harness")
+
+    ops = types.ModuleType("vllm._custom_ops")
+    ops.rotary_embedding = rotary_embedding
+    sys.modules.setdefault("vllm", types.ModuleType("vllm"))
+    sys.modules.setdefault("vllm._custom_ops", ops)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _checkpoint(root: Path) -> Path:
+    ckpt = write_tiny_dsv4(root / "tiny-dsv4-build", num_layers=4)
+    config = json.loads((ckpt / "config.json").read_text())
+    config.update(BUILD_KEYS)
+    (ckpt / "config.json").write_text(json.dumps(config))
+    return ckpt
+
+
+def _publish(ckpt: Path, **extra):
+    from sglang.srt import runtime_context
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=str(ckpt), device="cpu", model_impl="dsv4", skip_tokenizer_init=True,
+                      page_size=256, kv_cache_dtype="fp8_e4m3", **extra)
+    runtime_context.publish(args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=0))
+    return ModelConfig.from_server_args(args)
+
+
+def _build(ckpt: Path, index_k_dtype: str, **server_extra) -> dict:
+    import torch
+    from sglang.srt.layers.attention.dsv4.indexer import C4Indexer
+
+    from dsv4_sm120.model.deepseek_v4 import BF16C4Indexer, DeepseekV4ForCausalLMSM120
+
+    os.environ["DSV4_SM120_INDEX_K_DTYPE"] = index_k_dtype
+    model_config = _publish(ckpt, **server_extra)
+    try:
+        model = DeepseekV4ForCausalLMSM120(model_config.hf_config, None)
+    except Exception as exc:  # the refusal scenarios report the error they got
+        return {"error": type(exc).__name__, "message": str(exc)}
+    indexers = [m for m in model.modules() if isinstance(m, C4Indexer)]
+    out = {
+        "indexer_types": sorted({type(m).__name__ for m in indexers}),
+        "n_indexers": len(indexers),
+        "n_bf16": sum(type(m) is BF16C4Indexer for m in indexers),
+        "bf16_indexers": model.bf16_indexers,
+        "index_k_dtype": model.index_k_dtype,
+        "c4_layers": [i for i, r in enumerate(model_config.hf_config.compress_ratios) if r == 4],
+    }
+    if indexers:  # the dtypes upstream's compressor hands the index-K store in production
+        comp = indexers[0].compressor
+        for p in comp.parameters():
+            p.data.normal_()
+        x = torch.randn(3, model_config.hf_config.hidden_size).to(torch.bfloat16)
+        out["compressor_kv_dtype"] = str(comp._compute_wkv_gate(x).dtype)
+        out["compressor_norm_weight_dtype"] = str(comp.norm.weight.dtype)
+    return out
+
+
+def main() -> None:
+    import tempfile
+
+    _stand_in_vllm_ops()
+    from sglang.srt.distributed import parallel_state
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = _checkpoint(Path(tmp))
+        _publish(ckpt)
+        parallel_state.init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+        parallel_state.initialize_model_parallel(backend="gloo")
+        result = {}
+        for name, dtype, extra in (("bf16", "bf16", {}), ("fp8", "fp8", {}),
+                                   ("bf16_hisparse", "bf16", {"enable_hisparse": True}),
+                                   ("fp8_hisparse", "fp8", {"enable_hisparse": True})):
+            try:
+                result[name] = _build(ckpt, dtype, **extra)
+            except Exception:
+                result[name] = {"error": "harness", "message": traceback.format_exc()[-3000:]}
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
