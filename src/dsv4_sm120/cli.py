@@ -27,13 +27,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``doctor``."""
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--require-gpu", action="store_true", help="treat a missing CUDA device as a failure")
+    parser.add_argument("--model-path", help="also say whether --model-impl dsv4 serves this checkpoint (dir or HF id)")
 
 
 def run(args: argparse.Namespace) -> int:
     """``doctor``: exit 0 when the install is consistent."""
     from dsv4_sm120 import doctor
 
-    ok, sections = doctor.collect(require_gpu=args.require_gpu)
+    ok, sections = doctor.collect(require_gpu=args.require_gpu, model_path=args.model_path)
     if args.json:
         print(json.dumps(doctor.as_json(ok, sections), indent=2, default=str))
     else:

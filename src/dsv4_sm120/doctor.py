@@ -130,8 +130,40 @@ def _nixl() -> Section:
     return Section("nixl", {"importable": True, "version": version}, [Row("nixl", OK, f"{version} importable")])
 
 
-def collect(require_gpu: bool = False) -> tuple[bool, list[Section]]:
-    """Run every check; the bool says whether the install is consistent."""
+def model_section(model_path: str) -> Section:
+    """``--model-path``: would ``--model-impl dsv4`` serve this checkpoint under the switches in force?
+
+    The checkpoint's config is read by the pin's own ``ModelConfig``, as the server
+    reads it, and judged by the same function the model-load hook refuses with.
+    """
+    from dsv4_sm120.model import v41
+    from dsv4_sm120.model.resolve import checkpoint_refusal
+
+    data: dict = {"path": model_path}
+    try:
+        dtype = settings.load().index_k_dtype
+    except settings.SettingsError as exc:
+        return Section("model", data, [Row("model", FAIL, f"cannot judge {model_path!r} until the switches are valid: {exc}")])
+    try:
+        from sglang.srt.configs.model_config import ModelConfig
+
+        hf_config = ModelConfig(model_path, model_impl="dsv4").hf_config
+    except Exception as exc:  # noqa: BLE001 - any failure to read the checkpoint is the answer
+        return Section("model", data, [Row("model", FAIL, f"cannot read the config of {model_path!r} "
+                                       f"({type(exc).__name__}: {exc}); pass a checkpoint directory holding a "
+                                       f"config.json, or a Hugging Face model id")])
+    refusal = checkpoint_refusal(hf_config, model_path, dtype)
+    data.update(model_type=v41.model_type_of(hf_config), architectures=list(hf_config.architectures or []),
+                index_k_dtype=dtype, served_by_model_impl_dsv4=refusal is None, refusal=refusal)
+    if v41.is_deepseek_v41(hf_config):
+        data["v41_pieces"] = [{"piece": p.name, "holds": p.holds, "evidence": p.evidence} for p in v41.PIECES]
+    detail = refusal or (f"{data['model_type']} ({', '.join(data['architectures'])}): --model-impl dsv4 serves it "
+                         f"with {dtype} index keys" + (", as upstream" if dtype == "fp8" else ""))
+    return Section("model", data, [Row("model (--model-impl dsv4)", FAIL if refusal else OK, detail)])
+
+
+def collect(require_gpu: bool = False, model_path: str | None = None) -> tuple[bool, list[Section]]:
+    """Run every check; the bool says whether the install is consistent (and serves ``model_path``)."""
     sections = [_sglang(), _plugin()]
     if sections[0].data["matches"] or settings.in_force()[pin.PIN_OVERRIDE_ENV] == "1":
         sections.append(_manifest())
@@ -139,6 +171,8 @@ def collect(require_gpu: bool = False) -> tuple[bool, list[Section]]:
     for spec in AREA_SECTIONS:
         module, func = spec.split(":")
         sections.append(getattr(importlib.import_module(module), func)())
+    if model_path is not None:
+        sections.append(model_section(model_path))
     ok = all(row.status != FAIL for s in sections for row in s.rows)
     return ok, sections
 

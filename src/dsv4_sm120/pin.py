@@ -46,6 +46,12 @@ MANIFEST: tuple[Touch, ...] = (
         "model",
         "Decides whether a checkpoint is DeepSeek-V4, as upstream does.",
     ),
+    Touch(
+        "sglang.srt.configs.model_config.ModelConfig",
+        "calls",
+        "model",
+        "doctor --model-path reads the checkpoint's config as the server does (V4.1 verdict).",
+    ),
     # --- model + kernels: bf16 C4 indexer (issue #8) ---
     Touch("sglang.srt.layers.attention.dsv4.indexer.C4Indexer", "subclass", "model",
           "BF16C4Indexer replaces compute_q/forward: bf16 store, query and logits kernels."),

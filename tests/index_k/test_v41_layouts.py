@@ -127,8 +127,35 @@ def test_planner_sizes_c4_at_256_and_leaves_the_fp4_pools_at_68(ckpt41, hooked, 
     assert fp8.low_ratio_index_bytes == bf16.low_ratio_index_bytes == 68
     # One C4 layer: each full token adds a quarter of one compressed key's extra 124 B.
     assert bf16.bytes_per_full_token - fp8.bytes_per_full_token == (256 - 132) / 4
-    plan = bf16.calculate_pool_sizes(BUDGET, PAGE)
-    assert plan.c4_max_total_num_tokens == plan.full_max_total_num_tokens // 4
+    # By hand, as for V4: each full token adds a quarter key on the one C4 layer; everything
+    # else (SWA, C128, the ratio-1/2 KV and their fp4 keys, the fixed pools) is upstream's.
+    for planner, index_bytes in ((fp8, 132), (bf16, 256)):
+        other_bytes = planner.bytes_per_full_token - planner.indexer_bytes_per_token / 4
+        reqs = planner._resolve_max_running_requests_per_worker(BUDGET)
+        fixed = (planner._get_c128_state_fixed_bytes(reqs) + planner._get_c2_state_fixed_bytes(reqs)
+                 + planner._get_swa_fixed_bytes() + planner._fixed_swa_bytes(reqs)
+                 + planner._fixed_c4_state_bytes(reqs))
+        room = BUDGET - fixed
+        expected = int(room / (other_bytes + index_bytes / 4)) // PAGE * PAGE
+        # Then whole pages come off until the ratio-1/2 reserved pages fit too: one full page of
+        # main KV per source layer, and fp4 index keys up to the index pool's last page.
+        while expected * (other_bytes + index_bytes / 4) + _low_ratio_padding(planner, expected) > room:
+            expected -= PAGE
+        plan = planner.calculate_pool_sizes(BUDGET, PAGE)
+        assert plan.full_max_total_num_tokens == expected
+        assert plan.c4_max_total_num_tokens == expected // 4
+    assert fp8.bytes_per_full_token - fp8.indexer_bytes_per_token / 4 == pytest.approx(
+        bf16.bytes_per_full_token - bf16.indexer_bytes_per_token / 4)
+
+
+def _low_ratio_padding(planner, full_tokens: int) -> int:
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DSV41_INDEX_PAGE_SIZE as IP
+
+    padding = 0
+    for ratio in (1, 2):  # one source layer each in the tiny checkpoint
+        index_slots = -(-((full_tokens + PAGE) // ratio + IP) // IP) * IP
+        padding += PAGE * planner._get_paged_kv_bytes_per_token(ratio) + (index_slots - full_tokens // ratio) * 68
+    return padding
 
 
 def test_allocation_fits_the_plan(v41):
@@ -137,6 +164,11 @@ def test_allocation_fits_the_plan(v41):
     compressed = result.full_max_total_num_tokens // 4
     pages = -(-(compressed + PAGE) // 64)  # upstream's reserved logical page, as for V4
     assert [r.nbytes for r in kv.index_pools[4].index_k_with_scale_buffer] == [pages * 16384]
+    full = result.full_max_total_num_tokens
+    for ratio in (1, 2):  # upstream's fp4 pools, sized as the planner padded them
+        ip = kv.index_pools[ratio].page_size
+        low_pages = -(-((full + PAGE) // ratio + ip) // ip)
+        assert [r.nbytes for r in kv.index_pools[ratio].index_k_with_scale_buffer] == [low_pages * ip * 68]
     allocated = sum(t.nbytes for t in _all_pool_tensors(kv))
     assert allocated <= BUDGET, f"{allocated} B allocated for a {BUDGET} B plan"
 

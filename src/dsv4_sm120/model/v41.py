@@ -39,7 +39,7 @@ PIECES: tuple[Piece, ...] = (
     Piece("bf16 C4 index pool next to V4.1's fp4 ratio-1/2 index pools (V4 main KV layout)", True,
           "test_v41_layouts: C4 pool 16384 B rows, ratio-1/2 pools upstream's fp4 (68 B/slot, RNE)"),
     Piece("memory planner bytes per token", True,
-          "test_v41_layouts: C4 indexer 256 B, low-ratio fp4 68 B, capacity equal to the hand calculation"),
+          "test_v41_layouts: C4 indexer 256 B, low-ratio fp4 68 B; capacity and pool bytes equal the hand calculation"),
     Piece("PD layout tag and handshake", True,
           "test_v41_layouts: index_k:bf16 appended after c1/c2/c4/c128; bf16 vs fp8 refused"),
     Piece("HiCache strategy and host mirrors", True,
@@ -49,11 +49,12 @@ PIECES: tuple[Piece, ...] = (
     Piece("model class swaps C4 indexers only", True,
           "test_v41_layouts: DeepseekV41Indexer keeps its class"),
     Piece("V4.1 KV layouts V41 / V41_NEW / V41_FP4", False,
-          "need SM100/SM103 or gfx950 (select_dsv4_kv_layout); not buildable here"),
-    Piece("integrity mode on HIP's split fp4 index pools", False,
-          "a ratio-1 fp4 payload row is also 16384 B there and would be checksummed as bf16 C4"),
+          "upstream builds them only on SM100/SM103 or gfx950 GPUs, none of which is here"),
+    Piece("PD integrity mode on HIP's split fp4 index pools", False,
+          "a ratio-1 fp4 payload item is also 16384 B there (4 index pages of 4096 B per full page), "
+          "and PD integrity picks bf16 index-K buffers by that item length"),
     Piece("bf16 C4 indexer inside a V4.1 forward", False,
-          "V4.1-only backend paths (flashmla_mega, candidate blocks, DSpark, encoder replay); "
+          "V4.1-only backend paths: flashmla_mega, candidate blocks, DSpark, encoder replay; "
           "no V4.1 forward can run here"),
 )
 
