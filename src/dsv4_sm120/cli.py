@@ -28,10 +28,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--require-gpu", action="store_true", help="treat a missing CUDA device as a failure")
     parser.add_argument("--model-path", help="also say whether --model-impl dsv4 serves this checkpoint (dir or HF id)")
+    parser.add_argument("--selftest", action="store_true",
+                        help="only run each Triton kernel once on this GPU against its torch reference (no sglang needed)")
 
 
 def run(args: argparse.Namespace) -> int:
-    """``doctor``: exit 0 when the install is consistent."""
+    """``doctor``: exit 0 when the install is consistent (``--selftest``: when every kernel passes)."""
+    if args.selftest:
+        from dsv4_sm120.kernels import selftest
+
+        return selftest.main(as_json=args.json, require_gpu=args.require_gpu)
     from dsv4_sm120 import doctor
 
     ok, sections = doctor.collect(require_gpu=args.require_gpu, model_path=args.model_path)
