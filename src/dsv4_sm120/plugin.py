@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import logging
 
-from dsv4_sm120 import pin, settings
+from dsv4_sm120 import metrics, pin, settings
 from dsv4_sm120.model import hooks as model_hooks
 
 logger = logging.getLogger("dsv4_sm120")
@@ -50,6 +50,7 @@ def register() -> bool:
     # of silently running as --model-impl sglang.
     _registered = True
     model_hooks.register()
+    metrics.register()
     cfg = settings.load()
     for area in FIX_AREAS:
         importlib.import_module(area).register(cfg)

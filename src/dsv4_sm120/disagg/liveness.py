@@ -54,6 +54,7 @@ class ManagerWatch:
         self.name = f"NIXL prefill engine_rank={getattr(mgr.kv_args, 'engine_rank', '?')} agent={mgr.agent.name}"
         self.stall_after_s = stall_after_s
         self.bootstrap = None  # HardenedBootstrap, set when its thread starts
+        self.manager = lambda: None  # weak reference to the manager, set by watch_for
         self.workers: dict[int, tuple[threading.Thread, ProgressQueue]] = {}
         self._lock = threading.Lock()
 
@@ -87,10 +88,14 @@ _WATCHES_LOCK = threading.Lock()
 
 def watch_for(mgr) -> ManagerWatch:
     """The watch of ``mgr``, created on first use (the workers start before the bootstrap thread)."""
+    from dsv4_sm120 import metrics
+
+    metrics.add_sampler(sample_gauges)
     with _WATCHES_LOCK:
         watch = _WATCHES.get(mgr)
         if watch is None:
             watch = _WATCHES[mgr] = ManagerWatch(mgr)
+            watch.manager = weakref.ref(mgr)
         return watch
 
 
@@ -103,6 +108,24 @@ def forget(mgr) -> None:
     """Stop judging ``mgr`` (its owner shut it down on purpose)."""
     with _WATCHES_LOCK:
         _WATCHES.pop(mgr, None)
+
+
+def sample_gauges() -> dict:
+    """The NIXL gauges of ``sglang:dsv4_*``: threads alive and stuck, health problems, rooms held."""
+    with _WATCHES_LOCK:
+        watches = [w for w in _WATCHES.values() if w.bootstrap is not None]
+    found = [p for w in watches for p in w.problems()]
+    alive = sum(1 for w in watches if w.bootstrap.thread is not None and w.bootstrap.thread.is_alive())
+    stuck = sum(1 for p in found if "transfer worker" in p)
+    rooms = infos = 0
+    for w in watches:
+        mgr = w.manager()
+        if mgr is not None:
+            rooms += len(mgr.request_status)
+            infos += len(mgr.transfer_infos)
+    return {"nixl_bootstrap_threads_alive": alive, "nixl_transfer_workers_stuck": stuck,
+            "nixl_health_problems": len(found), "nixl_rooms_open": {("prefill",): rooms},
+            "nixl_transfer_infos_open": infos}
 
 
 def problems() -> list[str]:

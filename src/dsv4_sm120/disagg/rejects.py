@@ -14,6 +14,8 @@ import threading
 import time
 from collections import Counter
 
+from dsv4_sm120 import metrics
+
 logger = logging.getLogger("dsv4_sm120.disagg")
 
 
@@ -50,10 +52,12 @@ class RejectLog:
         """Add one to ``frames_served``, ``late_frames_dropped`` or ``aborts_handled``."""
         with self._lock:
             setattr(self, name, getattr(self, name) + 1)
+        metrics.inc(f"nixl_{name}_total")
 
     def reject(self, peer: str, exc: FrameRejected) -> None:
         """Count one refused frame and warn unless the same (peer, reason) warned recently."""
         key = (peer, exc.reason)
+        metrics.inc("nixl_frames_rejected_total", reason=exc.reason)
         with self._lock:
             self.by_reason[exc.reason] += 1
             now = self._clock()

@@ -16,6 +16,8 @@ import threading
 import time
 from collections import OrderedDict
 
+from dsv4_sm120 import metrics
+
 DEFAULT_CAPACITY = 65536
 # Twice upstream's default bootstrap timeout (300 s): no frame of an aborted
 # request can still be on its way after that.
@@ -37,6 +39,7 @@ class Tombstones:
 
     def bury(self, room: int) -> None:
         """Remember ``room`` as aborted for ``ttl_s`` from now."""
+        metrics.inc("nixl_rooms_tombstoned_total")
         with self._lock:
             now = self._clock()
             self._expiry.pop(room, None)

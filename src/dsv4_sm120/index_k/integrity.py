@@ -32,6 +32,14 @@ COUNTERS = {"pages_recorded": 0, "pages_checked": 0, "mismatches": 0, "requests_
             "pd_rooms_unchecked": 0}
 
 
+def count(name: str, n: int = 1) -> None:
+    """Add ``n`` to ``COUNTERS[name]`` and to its ``sglang:dsv4_index_k_<name>_total`` counter."""
+    from dsv4_sm120 import metrics
+
+    COUNTERS[name] += n
+    metrics.inc(f"index_k_{name}_total", n)
+
+
 def _checksum(rows: torch.Tensor) -> torch.Tensor:
     from dsv4_sm120.kernels.page_checksum import page_checksum
 
@@ -42,9 +50,11 @@ class PageLedger:
     """Expected checksum of every (layer, host page) of one index-K host mirror."""
 
     def __init__(self, num_layers: int, num_host_pages: int, device):
-        from dsv4_sm120.index_k.request_fail import QUARANTINE
+        from dsv4_sm120 import metrics
+        from dsv4_sm120.index_k.request_fail import QUARANTINE, sample_gauges
 
         QUARANTINE.active = True  # the scheduler hook now agrees on failed requests every prefill step
+        metrics.add_sampler(sample_gauges)
         self.expected = torch.zeros(num_layers, num_host_pages, dtype=torch.int64, device=device)
         self.recorded = torch.zeros(num_layers, num_host_pages, dtype=torch.bool, device=device)
 
@@ -53,7 +63,7 @@ class PageLedger:
         host_pages = host_pages.to(self.expected.device)
         self.expected[layer, host_pages] = _checksum(device_rows)
         self.recorded[layer, host_pages] = True
-        COUNTERS["pages_recorded"] += int(host_pages.numel())
+        count("pages_recorded", int(host_pages.numel()))
 
     def verify(self, layer: int, host_pages: torch.Tensor, device_pages: torch.Tensor,
                loaded_rows: torch.Tensor, pool_name: str = "index_k") -> list:
@@ -66,12 +76,12 @@ class PageLedger:
             QUARANTINE.clear(device_pages.cpu().tolist())
         host_pages = host_pages.to(self.expected.device)
         bad = (_checksum(loaded_rows) != self.expected[layer, host_pages]) & self.recorded[layer, host_pages]
-        COUNTERS["pages_checked"] += int(host_pages.numel())
+        count("pages_checked", int(host_pages.numel()))
         bad = bad.cpu()
         if not bool(bad.any()):
             return []
         where = bad.nonzero().flatten()
-        COUNTERS["mismatches"] += int(where.numel())
+        count("mismatches", int(where.numel()))
         found = [CorruptPage(pool_name, layer, int(host_pages[i]), int(device_pages[i])) for i in where]
         for page in found:
             logger.error("index-K checksum mismatch: pool=%s layer=%d host_page=%d device_page=%d",

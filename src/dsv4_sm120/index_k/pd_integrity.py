@@ -164,7 +164,7 @@ class PDIndexK:
 
     # -- prefill ------------------------------------------------------------------------------------
     def record_send(self, manager, room: int, kv_indices, index_slice: slice, wait_event) -> None:
-        from dsv4_sm120.index_k.integrity import COUNTERS
+        from dsv4_sm120.index_k.integrity import count
 
         with self.lock:
             for stale in [r for r in self.sent if r not in manager.request_status]:
@@ -186,7 +186,7 @@ class PDIndexK:
             chunks = self.sent.setdefault(room, [])
             if chunks is not None:
                 chunks.append(PageSums(positions, sums))
-        COUNTERS["pd_pages_recorded"] += len(pages) * len(self.buffers)
+        count("pd_pages_recorded", len(pages) * len(self.buffers))
 
     def frame_for(self, room: int) -> bytes | None:
         with self.lock:
@@ -208,14 +208,14 @@ class PDIndexK:
         """The poll answer for a room that just turned Success: Success, or Failed with the reason recorded."""
         from sglang.srt.disaggregation.base.conn import KVPoll
 
-        from dsv4_sm120.index_k.integrity import COUNTERS
+        from dsv4_sm120.index_k.integrity import count
 
         room, peer = receiver.bootstrap_room, receiver.bootstrap_addr
         with self.lock:
             frames = self.received.pop(room, None)
         dst = getattr(receiver, _DST, None)
         if not frames:
-            COUNTERS["pd_rooms_unchecked"] += 1
+            count("pd_rooms_unchecked", 1)
             self.log_once(f"peer:{peer}", "PD index-K integrity not checked for prefill %s: it sends no "
                           "checksum frame (%s is off there, it is an upstream prefill, or it cannot pair "
                           "the pages it sends page for page)", peer, SWITCH)
@@ -226,14 +226,14 @@ class PDIndexK:
             return self._fail(receiver, f"its bf16 index-K checksum frame is malformed ({'; '.join(errors)}), "
                               f"so the pages it received cannot be verified")
         if dst is None:
-            COUNTERS["pd_rooms_unchecked"] += 1
+            count("pd_rooms_unchecked", 1)
             self.log_once("no-dst", "PD index-K integrity: room %s polled Success before its destination "
                           "pages were known; not checked", room)
             return KVPoll.Success
         bad = []
         for rank, found in sorted(frames.items()):
             if found.sums.shape[0] != len(self.buffers):
-                COUNTERS["pd_rooms_unchecked"] += 1
+                count("pd_rooms_unchecked", 1)
                 self.log_once(f"buffers:{peer}", "PD index-K integrity not checked for prefill %s: it sums %d "
                               "index-K buffers, this decode registers %d (a PP stage or a layer-count "
                               "mismatch)", peer, found.sums.shape[0], len(self.buffers))
@@ -244,10 +244,10 @@ class PDIndexK:
                 got = _checksums(receiver.kv_mgr.kv_args, i, pages)
                 for j in np.nonzero(got != found.sums[ordinal][keep])[0]:
                     bad.append((rank, ordinal, int(positions[j]), int(pages[j])))
-            COUNTERS["pd_pages_checked"] += len(pages) * len(self.buffers)
+            count("pd_pages_checked", len(pages) * len(self.buffers))
         if not bad:
             return KVPoll.Success
-        COUNTERS["pd_mismatches"] += len(bad)
+        count("pd_mismatches", len(bad))
         for rank, ordinal, position, page in bad:
             logger.error("PD index-K checksum mismatch: room=%s prefill=%s rank=%d %s destination page=%d "
                          "(position %d of the room's page list)", room, peer, rank, self.layer_name(ordinal),
@@ -260,13 +260,13 @@ class PDIndexK:
     def _fail(self, receiver, what: str):
         from sglang.srt.disaggregation.base.conn import KVPoll
 
-        from dsv4_sm120.index_k.integrity import COUNTERS
+        from dsv4_sm120.index_k.integrity import count
 
         room = receiver.bootstrap_room
         reason = (f"Room {room} from prefill {receiver.bootstrap_addr} failed: {what}. Caught by {SWITCH}=1; "
                   f"the request was not admitted. Retry it.")
         logger.error("%s", reason)
-        COUNTERS["pd_rooms_failed"] += 1
+        count("pd_rooms_failed", 1)
         receiver.kv_mgr.record_failure(room, reason)
         receiver.kv_mgr.update_status(room, KVPoll.Failed)
         receiver.conclude_state = KVPoll.Failed

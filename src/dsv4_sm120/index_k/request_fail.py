@@ -71,6 +71,11 @@ class Quarantine:
 QUARANTINE = Quarantine()
 
 
+def sample_gauges() -> dict:
+    """``sglang:dsv4_index_k_pages_quarantined``: device pages no request may read now."""
+    return {"index_k_pages_quarantined": len(QUARANTINE.pages)}
+
+
 def _pages(slots) -> set[int]:
     """Device index-K pages of a tensor of FULL token slots."""
     return set((slots.long() // TOKENS_PER_INDEX_PAGE).unique().tolist())
@@ -143,7 +148,7 @@ def fail_affected_requests(batch, tree_cache=None) -> list:
     """
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    from dsv4_sm120.index_k.integrity import COUNTERS
+    from dsv4_sm120.index_k.integrity import count
 
     failed = []
     for req, bad in zip(batch.reqs, _agree(tree_cache, _local_findings(batch))):
@@ -151,7 +156,7 @@ def fail_affected_requests(batch, tree_cache=None) -> list:
             continue
         req.discard_output_reason = FINISH_ABORT(abort_message(req.rid, bad), HTTPStatus.INTERNAL_SERVER_ERROR)
         req.skip_radix_cache_insert = True
-        COUNTERS["requests_failed"] += 1
+        count("requests_failed", 1)
         for p in bad:
             logger.error("index-K checksum mismatch fails request rid=%s: pool=%s layer=%d host_page=%d "
                          "device_page=%d", req.rid, p.pool, p.layer, p.host_page, p.device_page)

@@ -1,0 +1,146 @@
+"""The fixes' counters and gauges on sglang's ``/metrics``, named like upstream's (``sglang:dsv4_*``).
+
+Upstream's scheduler metrics are ``prometheus_client`` collectors in multiprocess
+mode (``PROMETHEUS_MULTIPROC_DIR``, set by the launcher), created in each
+scheduler process when ``--enable-metrics`` is on; the HTTP server's ``/metrics``
+merges every process's files. The same holds here: an AFTER hook on
+``Scheduler.init_metrics_collector`` calls :func:`enable` in each scheduler
+process with metrics on, and from then on :func:`inc` and the gauge samplers
+write to those files. Without ``--enable-metrics`` (and in every other process:
+the CLI, the loopback harness) every call is a no-op, so the fixes count the
+same way whether or not anyone scrapes.
+
+Gauges that describe a thread's state (is the NIXL bootstrap thread alive?) are
+sampled by one daemon thread every :data:`SAMPLE_EVERY_S`: a dead thread cannot
+report its own death.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+logger = logging.getLogger("dsv4_sm120.metrics")
+
+SAMPLE_EVERY_S = 1.0
+
+# name (without the ``sglang:dsv4_`` prefix) -> (kind, help, label names[, multiprocess mode for gauges])
+SPECS: dict[str, tuple] = {
+    # NIXL bootstrap hardening
+    "nixl_frames_served_total": ("counter", "Bootstrap frames the hardened NIXL prefill thread handled", ()),
+    "nixl_frames_rejected_total": ("counter", "Bootstrap frames refused by the hardened NIXL prefill thread, by reason", ("reason",)),
+    "nixl_late_frames_dropped_total": ("counter", "Transfer-info frames dropped because their room was already aborted", ()),
+    "nixl_aborts_handled_total": ("counter", "ABORT frames from the decode side handled by the NIXL prefill thread", ()),
+    "nixl_rooms_tombstoned_total": ("counter", "Rooms remembered as aborted so late frames cannot reopen them", ()),
+    "nixl_rooms_failed_fast_total": ("counter", "Rooms failed at once with a reason instead of waiting for the bootstrap timeout", ("reason",)),
+    "nixl_bootstrap_threads_alive": ("gauge", "Hardened NIXL prefill bootstrap threads alive and polling", (), "livesum"),
+    "nixl_transfer_workers_stuck": ("gauge", "NIXL transfer workers dead or holding one chunk past the stall limit", (), "livesum"),
+    "nixl_health_problems": ("gauge", "Reasons the NIXL prefill side cannot serve; /health fails while > 0", (), "livesum"),
+    "nixl_rooms_open": ("gauge", "Bootstrap rooms the NIXL manager tracks (request_status entries)", ("mode",), "livesum"),
+    "nixl_transfer_infos_open": ("gauge", "Rooms with decode transfer info held by the NIXL prefill manager", (), "livesum"),
+    # index-K integrity (HiCache and PD)
+    "index_k_pages_recorded_total": ("counter", "bf16 index-K pages checksummed at HiCache backup", ()),
+    "index_k_pages_checked_total": ("counter", "bf16 index-K pages verified at HiCache load-back", ()),
+    "index_k_mismatches_total": ("counter", "bf16 index-K pages whose HiCache load-back checksum differed", ()),
+    "index_k_requests_failed_total": ("counter", "Requests failed because their prefix read a corrupt index-K page", ()),
+    "index_k_pages_quarantined": ("gauge", "Device index-K pages quarantined after a checksum mismatch", (), "livesum"),
+    "index_k_pd_pages_recorded_total": ("counter", "bf16 index-K pages checksummed when queued for a NIXL send", ()),
+    "index_k_pd_pages_checked_total": ("counter", "bf16 index-K pages verified when the decode's receive reported Success", ()),
+    "index_k_pd_mismatches_total": ("counter", "bf16 index-K pages that arrived over NIXL different from what was sent", ()),
+    "index_k_pd_rooms_failed_total": ("counter", "PD rooms failed because an index-K page arrived corrupt", ()),
+    "index_k_pd_rooms_unchecked_total": ("counter", "PD rooms received without a checksum frame (peer without the switch)", ()),
+}
+
+_lock = threading.Lock()
+_metrics: dict = {}
+_labels: dict[str, str] = {}
+_samplers: list[Callable[[], dict]] = []
+_sampler_thread: threading.Thread | None = None
+
+
+def enabled() -> bool:
+    return bool(_metrics)
+
+
+def enable(tp_rank: int) -> None:
+    """Create every ``sglang:dsv4_*`` collector in this process (once) and start the gauge sampler."""
+    global _sampler_thread
+    from prometheus_client import Counter, Gauge
+
+    with _lock:
+        if _metrics:
+            return
+        _labels["tp_rank"] = str(tp_rank)
+        for name, spec in SPECS.items():
+            kind, doc, labels = spec[:3]
+            full = f"sglang:dsv4_{name.removesuffix('_total')}" if kind == "counter" else f"sglang:dsv4_{name}"
+            names = ("tp_rank", *labels)
+            if kind == "counter":
+                _metrics[name] = Counter(full, doc, names)
+            else:
+                _metrics[name] = Gauge(full, doc, names, multiprocess_mode=spec[3])
+        _sampler_thread = threading.Thread(target=_sample_forever, name="dsv4-metrics-sampler", daemon=True)
+        _sampler_thread.start()
+    logger.info("dsv4-sm120: %d sglang:dsv4_* metrics enabled on tp_rank=%s", len(SPECS), tp_rank)
+
+
+def inc(name: str, n: float = 1, **labels: str) -> None:
+    """Add ``n`` to counter ``name`` (a key of :data:`SPECS`); nothing when metrics are off."""
+    metric = _metrics.get(name)
+    if metric is not None and n:
+        metric.labels(**_labels, **labels).inc(n)
+
+
+def add_sampler(fn: Callable[[], dict]) -> None:
+    """Register ``fn() -> {gauge name: value or {label tuple: value}}``, called every :data:`SAMPLE_EVERY_S`."""
+    with _lock:
+        if fn not in _samplers:
+            _samplers.append(fn)
+
+
+def sample_once() -> None:
+    """Set every gauge from the registered samplers (the sampler thread's body; tests call it directly)."""
+    with _lock:
+        samplers = list(_samplers)
+    for fn in samplers:
+        try:
+            values = fn()
+        except Exception:  # noqa: BLE001 - a sampler must never take the thread down
+            logger.exception("dsv4-sm120: metrics sampler %s failed", getattr(fn, "__name__", fn))
+            continue
+        for name, value in values.items():
+            gauge = _metrics.get(name)
+            if gauge is None:
+                continue
+            if isinstance(value, dict):
+                for label_values, v in value.items():
+                    spec_labels = SPECS[name][2]
+                    gauge.labels(**_labels, **dict(zip(spec_labels, label_values))).set(v)
+            else:
+                gauge.labels(**_labels).set(value)
+
+
+def _sample_forever() -> None:
+    import time
+
+    while True:
+        sample_once()
+        time.sleep(SAMPLE_EVERY_S)
+
+
+def enable_for_scheduler(result, scheduler, *args, **kwargs):
+    """AFTER ``Scheduler.init_metrics_collector``: metrics on in this scheduler process when sglang's are."""
+    if getattr(scheduler.server_args, "enable_metrics", False):
+        enable(getattr(scheduler, "tp_rank", 0))
+    return result
+
+
+SCHEDULER_HOOK = "sglang.srt.managers.scheduler.Scheduler.init_metrics_collector"
+
+
+def register() -> None:
+    """Register the scheduler hook (every fix's counters go through this module)."""
+    from dsv4_sm120.hooks import hook
+
+    hook(SCHEDULER_HOOK, enable_for_scheduler)
