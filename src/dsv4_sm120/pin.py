@@ -20,7 +20,7 @@ PIN_OVERRIDE_ENV = "DSV4_SM120_ALLOW_PIN_MISMATCH"
 class Touch:
     target: str  # dotted path on the installed sglang
     how: str  # "around", "before", "after", "replace" (HookRegistry), "subclass", "patch", "calls"
-    fix: str  # model | index_k | hicache | disagg | guard
+    fix: str  # model | index_k | hicache | disagg | guard | metrics
     why: str
 
 
@@ -73,6 +73,13 @@ MANIFEST: tuple[Touch, ...] = (
           "calls", "kernels", "The compress plan (upstream's 16-byte rows) the bf16 store kernel addresses by."),
     Touch("sglang.srt.layers.attention.dsv4.compressor_v2.CompressorBackendMixin._get_out_loc", "calls", "kernels",
           "Compressed slots the bf16 store kernel writes."),
+    # --- metrics: every fix's counters on /metrics ---
+    Touch(
+        "sglang.srt.managers.scheduler.Scheduler.init_metrics_collector",
+        "after",
+        "metrics",
+        "Creates the sglang:dsv4_* collectors in each scheduler process when --enable-metrics is on.",
+    ),
     # --- disagg: NIXL bootstrap hardening ---
     Touch(
         "sglang.srt.disaggregation.nixl.conn.NixlKVManager._start_bootstrap_thread",
