@@ -1,17 +1,22 @@
-"""Run upstream's REAL overlap PD loops on TP ranks joined by REAL gloo groups, without a model.
+"""Run upstream's REAL PD loops on TP ranks joined by REAL gloo groups, without a model.
 
 What is real (sglang 0.5.23, unmodified except for our patch):
-- ``Scheduler.event_loop_overlap_disagg_prefill`` / ``event_loop_overlap_disagg_decode``, taken
-  from the pinned files after ``dsv4_sm120.patching`` applied ``patches/`` to a COPY of them
-  (``loops="patched"``), or from the installed, unpatched module (``loops="upstream"``);
+- ``Scheduler.event_loop_overlap_disagg_prefill`` / ``event_loop_overlap_disagg_decode`` and the
+  non-overlap ``event_loop_normal_disagg_*``, taken from a COPY of the pinned files with
+  ``patches/`` applied by ``dsv4_sm120.patching`` (``loops="patched"``), or from a pristine copy
+  (``loops="upstream"``), whatever state the venv's sglang is in (``pristine``);
 - ``Scheduler.ingest_requests`` and the request broadcast (``broadcast_pyobj`` on the TP CPU group);
 - prefill: ``PrefillBootstrapQueue.pop_bootstrapped`` / ``finalize_bootstrap``,
   ``get_next_disagg_prefill_batch_to_run``, ``resolve_waiting_queue_bootstrap``,
   ``process_disagg_prefill_inflight_queue``, ``handle_bootstrap_failure``,
-  ``handle_inflight_transfer_failure``; decode: ``process_decode_queue``;
+  ``handle_inflight_transfer_failure``; decode: ``process_decode_queue``,
+  ``get_next_disagg_decode_batch_to_run``'s caller, ``DecodePreallocQueue._update_handshake_waiters``
+  (the handshake poll), ``DecodeTransferQueue.pop_transferred`` whole (its poll, failure handling,
+  the ``all_reduce_flags`` of failure holds, metadata-slot release) and ``resolve_deferred_releases``;
   all queue polls go through upstream's ``poll_and_all_reduce*`` (MIN all-reduce on gloo, or, with
-  the guard on, through the package's shared-memory reduction hooked on ``_all_reduce_polls`` as
-  the plugin registers it);
+  the guard on, through the package's shared-memory reduction hooked on ``_all_reduce_polls``);
+- the guard's hooks, registered by ``dsv4_sm120.guard.hooks.register`` with upstream's
+  ``HookRegistry`` as the plugin does (they act only on a scheduler the patched loop guards);
 - ``Scheduler.on_idle``; ``Scheduler.send_abort_output`` through upstream's ``SenderWrapper`` over a
   real zmq PUSH/PULL pair on TP rank 0 (the only rank with a tokenizer socket, as upstream);
 - ``Req`` objects, ``prepare_abort``, ``ReqToMetadataIdxAllocator``.
@@ -31,14 +36,21 @@ in production):
   preallocation (decode) queue, as ``handle_generate_request`` + the queue's ``add`` do.
 - KV senders/receivers (NIXL): replaced by pollers scripted per rank (bootstrap done, transfer done,
   failed at given iterations); their poll() is what the real polls reduce.
-- decode prealloc/transfer queues: the real ones preallocate KV in the pools; the replacements keep
-  the queue lists and call upstream's ``poll_and_all_reduce`` exactly when upstream does (only when
-  the queue is not empty).
+- decode queues: upstream's classes, built without ``__init__`` (it needs a KV manager). Of the
+  preallocation queue only ``pop_preallocated``'s KV preallocation is replaced (pools need a model):
+  it calls upstream's handshake poll, streams failed requests as upstream does, and admits every
+  request whose handshake is done. Of the transfer queue only ``_commit_transfer_to_req`` (it reads
+  the model's first token from the metadata buffers), and the metadata buffers themselves (a slot
+  table whose rooms always read "landed").
 - tree cache, metrics and load publishers, invariant checker: observe KV pools that do not exist.
 
-The divergences a mass abort creates are injected after the broadcast, on one rank only: a request
-aborted on one rank's queue only; a bootstrap or transfer completing on one rank only; one rank's
-queue emptied while another's is not.
+The divergences a mass abort creates are injected on one rank only, at every point of an
+iteration where rank-local state changes (``POINTS``): after the request broadcast; in
+``process_pending_chunked_abort``; in ``resolve_waiting_queue_bootstrap``; in batch formation; in
+batch-result processing; before the in-flight poll; decode: before the preallocation and transfer
+polls, in batch formation and result processing. What is injected: a request aborted on that rank
+only; a bootstrap or transfer completing on that rank only; a request left out of that rank's batch;
+one rank's queue emptied while another's is not.
 """
 
 from __future__ import annotations
@@ -66,16 +78,29 @@ class ReqPlan:
     ready: list[int]  # per rank: iterations after arrival until bootstrap (prefill) / prealloc (decode) completes
     transfer: list[int]  # per rank: iterations after the transfer starts until it completes
     fail_rank: int | None = None  # this rank's poller reports Failed (a real, MIN-reduced failure)
+    fail_in_transfer: bool = False  # ... only once its transfer started (else from its bootstrap on)
     tokens: int = 2  # decode steps
 
 
 @dataclass
 class Injection:
-    at: int  # iteration
+    at: int  # the first iteration it may fire; it fires the first time its point has something to act on
     rank: int
-    kind: str  # "abort" | "complete" | "empty" | "batch"
-    rid: str | None = None
-    queue: str | None = None
+    kind: str  # "abort" | "complete" | "empty" | "batch" | "skip"
+    rid: str | None = None  # the request it acts on; None: the ``pick``-th candidate at that point
+    point: str = "broadcast"
+    pick: int = 0
+
+
+# Where in an iteration a rank-local change is injected, and what may be injected there.
+POINTS = {
+    "prefill": {"broadcast": ("abort", "complete", "empty"), "chunked_abort": ("abort",),
+                "resolve_waiting": ("abort",), "batch_formation": ("abort", "skip"),
+                "batch_result": ("abort",), "inflight": ("abort", "complete")},
+    "decode": {"broadcast": ("abort", "complete", "empty"), "prealloc": ("abort", "complete"),
+               "transfer": ("abort", "complete"), "batch_formation": ("abort", "skip"),
+               "batch_result": ("abort",)},
+}
 
 
 @dataclass
@@ -87,10 +112,11 @@ class Scenario:
     injections: list[Injection]
     max_iters: int = 400
     ends_at_max: bool = False  # the bench: running max_iters iterations is the point, not a failure
+    kind: str = "overlap"  # which of upstream's loops: "overlap" or "normal" (--disable-overlap-schedule)
 
 
-def make_scenario(seed: int, loop: str, world: int) -> Scenario:
-    rng = random.Random(f"{loop}-{world}-{seed}")
+def make_scenario(seed: int, loop: str, world: int, kind_of_loop: str = "overlap") -> Scenario:
+    rng = random.Random(f"{loop}-{world}-{seed}" + ("" if kind_of_loop == "overlap" else f"-{kind_of_loop}"))
     n = rng.randint(2, 8)
     reqs = []
     for i in range(n):
@@ -102,13 +128,17 @@ def make_scenario(seed: int, loop: str, world: int) -> Scenario:
             transfer=[base_tr + rng.randint(0, 2) for _ in range(world)],
             fail_rank=rng.randrange(world) if rng.random() < 0.1 else None,
             tokens=rng.randint(1, 3),
+            fail_in_transfer=rng.random() < 0.5,
         ))
     injections = []
     for _ in range(rng.randint(1, 3)):
-        kind = rng.choice(["abort", "complete", "empty"])
+        point = rng.choice(sorted(POINTS[loop]))
+        kind = rng.choice(POINTS[loop][point])
         r = rng.choice(reqs)
-        injections.append(Injection(at=r.arrive + rng.randint(0, 5), rank=rng.randrange(world), kind=kind, rid=r.rid))
-    return Scenario(seed, loop, world, reqs, injections)
+        injections.append(Injection(at=r.arrive + rng.randint(0, 5), rank=rng.randrange(world), kind=kind,
+                                    rid=r.rid if point == "broadcast" else None, point=point,
+                                    pick=rng.randrange(8)))
+    return Scenario(seed, loop, world, reqs, injections, kind=kind_of_loop)
 
 
 def steady(loop: str, world: int, iters: int, queued: int) -> Scenario:
@@ -122,6 +152,14 @@ def batch_desync(loop: str, world: int) -> Scenario:
     """Unreconcilable: one rank's batch state differs; the guard must fail fast."""
     reqs = [ReqPlan(rid=f"bd-r{i}", arrive=0, ready=[1] * world, transfer=[9] * world) for i in range(2)]
     return Scenario(-2, loop, world, reqs, [Injection(at=3, rank=world - 1, kind="batch")], max_iters=60)
+
+
+def at_point(loop: str, point: str, kind: str, world: int = 2, kind_of_loop: str = "overlap") -> Scenario:
+    """One divergence, ``kind`` at ``point`` on the last rank, in a scenario that reaches every point:
+    requests arrive over a few iterations and stay long enough in every queue."""
+    reqs = [ReqPlan(rid=f"pt-r{i}", arrive=i, ready=[2] * world, transfer=[3] * world, tokens=3) for i in range(4)]
+    return Scenario(-4, loop, world, reqs, [Injection(at=1, rank=world - 1, kind=kind, point=point)],
+                    max_iters=80, kind=kind_of_loop)
 
 
 def one_sided_empty(loop: str, world: int) -> Scenario:
@@ -146,7 +184,8 @@ class ScriptedPoller:
         from sglang.srt.disaggregation.base.conn import KVPoll
 
         now = self.clock()
-        if self.aborted or (self.plan.fail_rank == self.rank and now >= self.ready_at):
+        failing = self.plan.fail_rank == self.rank and now >= self.ready_at
+        if self.aborted or (failing and (self.transfer_from is not None or not self.plan.fail_in_transfer)):
             return KVPoll.Failed
         if now < self.ready_at:
             return KVPoll.Bootstrapping
@@ -193,6 +232,14 @@ class FakeBatch:
         self.chunked_req = None
         self.batch_is_full = False
 
+    @property
+    def extend_num_tokens(self):
+        return sum(len(r.origin_input_ids) for r in self.reqs) if self.mode == "extend" else None
+
+    @property
+    def seq_lens_sum(self):
+        return sum(len(r.origin_input_ids) + len(r.output_ids) for r in self.reqs)
+
     def is_empty(self):
         return not self.reqs
 
@@ -217,6 +264,9 @@ class TreeCacheStub:
     ``release_kv_cache`` accept a request that never held a KV row."""
 
     def finish(self, *a, **k):
+        pass
+
+    def unlock(self, lock):
         pass
 
     def supports_mamba(self):
@@ -245,7 +295,9 @@ class RankResult:
     iters: int = 0
     counters: dict = field(default_factory=dict)
     seconds: float = 0.0  # wall time of the loop call
-    guard_seconds: float = 0.0  # bench only: time spent inside the guard call
+    guard_seconds: float = 0.0  # bench only: time spent inside the guard's calls (all its agreements)
+    batch_check_seconds: float = 0.0  # bench only: ... of which inside the second agreement (batch check)
+    injected: int = 0  # how many of the scenario's injections fired on this rank
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,6 +343,7 @@ class Harness:
         self.clock, self.sc, self.s = clock, sc, s
         self.outcomes: dict[str, tuple[str, str]] = {}
         self.busy: dict = {}
+        self.fired: set[int] = set()  # indices of this scenario's injections that fired on this rank
         self.plans = {p.rid: p for p in sc.reqs}
         s.tp_rank, s.tp_size, s.pp_size = self.rank, self.world, 1
         s.tp_cpu_group = s.attn_tp_cpu_group = self.tp
@@ -341,15 +394,37 @@ class Harness:
             s.disagg_prefill_bootstrap_queue = q
             s.disagg_prefill_inflight_queue = []
             s.get_new_batch_prefill = self._build_prefill_batch
+            # Injection points inside upstream's iteration: each runs the injection, then upstream's
+            # method as the class holds it (with the guard's hook, when registered).
+            self._inject_before(s, "process_pending_chunked_abort", "chunked_abort")
+            self._inject_before(s, "resolve_waiting_queue_bootstrap", "resolve_waiting")
+            self._inject_before(s, "process_disagg_prefill_inflight_queue", "inflight")
         else:
             s.disaggregation_mode = DisaggregationMode.DECODE
             s.polling_count, s.polling_interval = 0, 1
-            s.disagg_decode_prealloc_queue = DecodePreallocStub(s, self)
-            s.disagg_decode_transfer_queue = DecodeTransferStub(s, self)
-            s.get_next_disagg_decode_batch_to_run = self._next_decode_batch
+            s.enable_decode_hicache = s.enable_hisparse = False
+            s.kv_checksum_computer = None
+            prealloc, transfer = _decode_queue_classes()
+            s.disagg_decode_prealloc_queue = prealloc.build(s, self)
+            s.disagg_decode_transfer_queue = transfer.build(s, self)
+            self._inject_before(s.disagg_decode_prealloc_queue, "pop_preallocated", "prealloc")
+            self._inject_before(s.disagg_decode_transfer_queue, "pop_transferred", "transfer")
+            s.get_new_prebuilt_batch = self._prebuilt_decode_batch
+            s.update_running_batch = self._update_running_batch
+            s.batch_result_processor = Null()
             s.is_disable_overlap_for_batch = lambda batch, last_batch=None: False
+            s.launch_batch_sample_if_needed = lambda *a, **k: None
             s.future_map = None
         return s
+
+    def _inject_before(self, owner, method: str, point: str) -> None:
+        upstream = getattr(type(owner), method)
+
+        def injected(*args, **kwargs):
+            self._inject(point)
+            return upstream(owner, *args, **kwargs)
+
+        setattr(owner, method, injected)
 
     # ---- replaced input path ---------------------------------------------------------------
     def _recv_requests(self, local_reqs=None):
@@ -393,21 +468,33 @@ class Harness:
                 req.sampling_params.max_new_tokens = 1
                 self.s.disagg_prefill_bootstrap_queue.queue.append(req)
             else:
-                self.s.disagg_decode_prealloc_queue.queue.append(DecodeReq(req, poller))
-        self._inject()
+                from sglang.srt.disaggregation.decode import DecodeRequest
+
+                self.s.disagg_decode_prealloc_queue.queue.append(DecodeRequest(req=req, kv_receiver=poller))
+        self._inject("broadcast")
 
     # ---- injected rank-local divergences ------------------------------------------------------
-    def _inject(self):
-        for inj in self.sc.injections:
-            if inj.at != self.iteration or inj.rank != self.rank:
+    def _inject(self, point: str, candidates: list | None = None):
+        """Run this rank's due injections at ``point``; returns the item a "skip" leaves out, if any."""
+        skipped = None
+        for n, inj in enumerate(self.sc.injections):
+            if inj.point != point or inj.rank != self.rank or n in self.fired or self.iteration < inj.at:
                 continue
-            if inj.kind == "empty":
-                self._empty_one_queue()
-            elif inj.kind == "batch":
+            if inj.kind == "batch":
                 # Batch state no queue edit can repair: this rank alone believes a forward is pending.
                 self.s.last_batch = None if self.s.last_batch is not None else FakeBatch([])
+                acted = True
+            elif inj.kind == "empty":
+                acted = self._empty_one_queue()
+            elif inj.kind == "skip":
+                pool = [x for x in candidates or [] if not x.finished()]
+                skipped = pool[inj.pick % len(pool)] if pool else None
+                acted = skipped is not None
             else:
-                self._local(inj.kind, inj.rid)
+                acted = self._local(inj, point, candidates)
+            if acted:
+                self.fired.add(n)
+        return skipped
 
     def _queues(self):
         s = self.s
@@ -417,36 +504,56 @@ class Harness:
         return [("prealloc", s.disagg_decode_prealloc_queue.queue), ("transfer", s.disagg_decode_transfer_queue.queue),
                 ("waiting", s.waiting_queue), ("running", s.running_batch.reqs)]
 
-    def _empty_one_queue(self):
+    def _empty_one_queue(self) -> bool:
         for name, q in self._queues():
             if q and name != "running":
                 for item in list(q):
                     self._drop(q, item)
-                return
+                return True
+        return False
 
-    def _local(self, kind: str, rid: str):
+    # the queue each point acts on
+    _POINT_QUEUE = {"chunked_abort": "waiting", "resolve_waiting": "waiting", "batch_formation": "waiting",
+                    "inflight": "inflight", "prealloc": "prealloc", "transfer": "transfer"}
+
+    def _local(self, inj: Injection, point: str, candidates: list | None) -> bool:
+        """A rank-local abort or completion of one request; False when there is nothing to act on."""
+        if point == "batch_result":  # this rank alone finds the request failed while processing the result
+            live = [r for r in candidates if not r.finished()]
+            if live:
+                self._drop(None, live[inj.pick % len(live)])
+            return bool(live)
         queues = self._queues()
-        for i, (name, q) in enumerate(queues):
-            for item in q:
-                if getattr(item, "req", item).rid != rid or name == "running":
-                    continue
-                if kind == "abort":
-                    self._drop(q, item)
-                    return
-                # "complete": this rank alone saw the bootstrap/transfer finish and moved the request on.
-                q.remove(item)
-                if name == "inflight":
-                    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+        names = [n for n, _ in queues]
+        if point == "broadcast":
+            found = [(i, x) for i, (name, q) in enumerate(queues) if name != "running"
+                     for x in q if inj.rid in (None, getattr(x, "req", x).rid)]
+            found = found[inj.pick % len(found):][:1] if found else []
+        else:
+            name = "running" if (point == "batch_formation" and self.sc.loop == "decode") else self._POINT_QUEUE[point]
+            i = names.index(name)
+            live = [x for x in queues[i][1] if not getattr(x, "req", x).finished()]
+            found = [(i, live[inj.pick % len(live)])] if live else []
+        if not found:
+            return False
+        i, item = found[0]
+        name, q = queues[i]
+        if inj.kind == "abort":
+            self._drop(q, item)
+            return True
+        # "complete": this rank alone saw the bootstrap/transfer finish and moved the request on.
+        q.remove(item)
+        if name == "inflight":
+            from sglang.srt.managers.schedule_batch import FINISH_LENGTH
 
-                    item.finished_reason = FINISH_LENGTH(length=0)
-                    self._stream_output([item])  # reaches the client only from rank 0, as upstream
-                    return
-                if name == "prealloc":
-                    item.kv_receiver.start_transfer()
-                if name in ("bootstrap", "prealloc", "transfer"):
-                    nxt = queues[i + 1][1]
-                    nxt.append(item.req if name == "transfer" else item)
-                return
+            item.finished_reason = FINISH_LENGTH(length=0)
+            self._stream_output([item])  # reaches the client only from rank 0, as upstream
+            return True
+        if name == "prealloc":
+            self.s.disagg_decode_prealloc_queue.admit(item)
+        nxt = queues[i + 1][1]
+        nxt.append(item.req if name == "transfer" else item)
+        return True
 
     def _drop(self, q, item):
         """A rank-local abort: upstream's abort paths abort the transfer and stream the abort, which
@@ -455,7 +562,8 @@ class Harness:
 
         from sglang.srt.disaggregation.utils import prepare_abort
 
-        q.remove(item)
+        if q is not None:
+            q.remove(item)
         poller = getattr(item, "kv_receiver", None) or getattr(item, "disagg_kv_sender", None)
         if poller is not None:
             poller.abort()
@@ -465,18 +573,27 @@ class Harness:
 
     # ---- replaced batch building / forward / result processing ---------------------------------
     def _build_prefill_batch(self, running_batch):
+        """For ``get_new_batch_prefill``: batch every request whose bootstrap is resolved."""
         s = self.s
         ready = [r for r in s.waiting_queue if not r.pending_bootstrap]
-        s.waiting_queue = [r for r in s.waiting_queue if r.pending_bootstrap]
+        skipped = self._inject("batch_formation", ready)
+        ready = [r for r in ready if r is not skipped and r in s.waiting_queue]  # an "abort" left the queue
+        s.waiting_queue = [r for r in s.waiting_queue if r not in ready]
         return SimpleNamespace(batch_to_run=FakeBatch(ready) if ready else None, running_batch=running_batch)
 
-    def _next_decode_batch(self, running_batch):
+    def _prebuilt_decode_batch(self, running_batch):
+        """For ``get_new_prebuilt_batch``: every request whose KV arrived joins as a decode request."""
         s = self.s
-        if s.waiting_queue:
-            running_batch.merge_batch(FakeBatch(s.waiting_queue, "decode"))
-            s.waiting_queue = []
-        batch = running_batch if not running_batch.is_empty() else None
-        return SimpleNamespace(batch_to_run=batch, running_batch=running_batch)
+        skipped = self._inject("batch_formation", s.waiting_queue)
+        joining = [r for r in s.waiting_queue if r is not skipped]
+        s.waiting_queue = [r for r in s.waiting_queue if r is skipped]
+        return FakeBatch(joining, "decode") if joining else None
+
+    def _update_running_batch(self, running_batch):
+        """For ``update_running_batch`` (no memory to check, nothing to retract): the injection point
+        of a rank-local change to the running batch (a retraction or abort on this rank only)."""
+        self._inject("batch_formation")
+        return running_batch
 
     def _run_batch(self, batch):
         """A TP forward's collective pattern: all-reduces sized by the batch, on the TP group."""
@@ -490,6 +607,7 @@ class Harness:
 
     def _process_batch_result(self, batch, result):
         s = self.s
+        self._inject("batch_result", batch.reqs)
         if self.sc.loop == "prefill":
             for req in batch.reqs:
                 if req.finished():
@@ -531,18 +649,29 @@ class Harness:
             reason = obj.finished_reason or {}
             self.outcomes.setdefault(obj.rid, ("abort", reason.get("message") or obj.abort_message or ""))
 
-    def _time_guard_calls(self, loop_guard):
-        inner = getattr(loop_guard.check_iteration, "__wrapped__", loop_guard.check_iteration)
+    def _time_guard_calls(self):
+        """Bench only: time every guard agreement of an iteration, and the batch check apart."""
+        from dsv4_sm120.guard import batch_check, loop_guard, queue_check
 
-        def timed(scheduler, loop):
-            t = time.perf_counter()
-            try:
-                return inner(scheduler, loop)
-            finally:
-                self.guard_seconds += time.perf_counter() - t
+        def timed(module, name, also=None):
+            inner = getattr(getattr(module, name), "__wrapped__", getattr(module, name))
 
-        timed.__wrapped__ = inner
-        loop_guard.check_iteration = timed
+            def call(*args, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    spent = time.perf_counter() - t
+                    self.guard_seconds += spent
+                    if also:
+                        setattr(self, also, getattr(self, also) + spent)
+
+            call.__wrapped__ = inner
+            setattr(module, name, call)
+
+        timed(loop_guard, "check_iteration")
+        timed(queue_check, "agree_on_queue")
+        timed(batch_check, "_checked", also="batch_check_seconds")
 
     # ---- run ---------------------------------------------------------------------------------
     def run(self, sc: Scenario, loops: str) -> RankResult:
@@ -552,10 +681,10 @@ class Harness:
 
         use_loops(loops)
         s = self.build(sc)
-        loop = s.event_loop_overlap_disagg_prefill if sc.loop == "prefill" else s.event_loop_overlap_disagg_decode
-        self.guard_seconds = 0.0
-        if sc.ends_at_max:  # the bench: also time the guard call itself
-            self._time_guard_calls(loop_guard)
+        loop = getattr(s, f"event_loop_{sc.kind}_disagg_{sc.loop}")
+        self.guard_seconds = self.batch_check_seconds = 0.0
+        if sc.ends_at_max:  # the bench: also time the guard's calls themselves
+            self._time_guard_calls()
         started = time.perf_counter()
         try:
             loop()
@@ -576,98 +705,98 @@ class Harness:
                           leftovers=leftovers, outcomes=dict(self.outcomes), iters=self.iteration,
                           counters={"seen": c.divergences_seen, "reconciled": c.divergences_reconciled,
                                     "aborted": c.requests_aborted, "fail_fasts": c.fail_fasts},
-                          seconds=time.perf_counter() - started, guard_seconds=self.guard_seconds)
+                          seconds=time.perf_counter() - started, guard_seconds=self.guard_seconds,
+                          batch_check_seconds=self.batch_check_seconds,
+                          injected=len(self.fired))
 
 
-# ---- decode queue stand-ins --------------------------------------------------------------------
-@dataclass
-class DecodeReq:
-    req: object
-    kv_receiver: ScriptedPoller
-    metadata_buffer_index: int = -1
-    host_staged: bool = False
+# ---- decode queues: upstream's classes, without the KV pools -----------------------------------
+_DECODE_QUEUES: dict = {}
 
 
-class DecodePreallocStub:
-    """Decode preallocation queue without KV pools: the list, and upstream's poll when not empty."""
+def _decode_queue_classes():
+    """Upstream's decode queue classes with only their pool-bound parts replaced (built on first use:
+    this module imports sglang only inside the forked ranks' setup)."""
+    if _DECODE_QUEUES:
+        return _DECODE_QUEUES["prealloc"], _DECODE_QUEUES["transfer"]
+    import torch
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeTransferQueue
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    def __init__(self, s, h):
-        self.s, self.h = s, h
-        self.queue, self.retracted_queue = [], []
+    class MetadataSlots:
+        """The metadata buffers as the transfer queue reads them: every slot's room reads "landed"
+        (the scripted poller decides when a transfer is done), and ``clear_slot`` as upstream calls it."""
 
-    def prefetch_prefill_dp_rank_queries(self):
-        pass
+        def __init__(self, size: int):
+            self.bootstrap_room = torch.ones((size, 1), dtype=torch.int64)
+            self.cleared: list[int] = []
 
-    def resume_retracted_reqs(self):
-        return []
+        def clear_slot(self, idx: int) -> None:
+            self.cleared.append(idx)
 
-    def pop_preallocated(self):
-        from sglang.srt.disaggregation.base.conn import KVPoll
-        from sglang.srt.disaggregation.utils import poll_and_all_reduce
+    class Prealloc(DecodePreallocQueue):
+        """Upstream's preallocation queue; its handshake poll is upstream's, only the preallocation of
+        KV (pools need a model) is replaced: every request whose handshake is done is admitted."""
 
-        if not self.queue:
-            return [], []
-        polls = poll_and_all_reduce([d.kv_receiver for d in self.queue], self.s.attn_tp_cpu_group)
-        moved, failed, keep = [], [], []
-        for d, poll in zip(self.queue, polls):
-            if poll == KVPoll.Failed:
-                failed.append(d)
-            elif poll >= KVPoll.WaitingForInput:
-                d.kv_receiver.start_transfer()
-                moved.append(d)
-            else:
-                keep.append(d)
-        self.queue = keep
-        for d in failed:
-            self.h._fail(d.req)
-        return moved, failed
+        @classmethod
+        def build(cls, s, h):
+            q = object.__new__(cls)
+            q.scheduler, q.queue, q.retracted_queue, q.pending_reqs = s, [], [], []
+            q.pp_size, q.tp_rank, q.gloo_group = 1, h.rank, s.attn_tp_cpu_group
+            q.req_to_metadata_buffer_idx_allocator = s.req_to_metadata_buffer_idx_allocator
+            q._num_published_destinations = 0
+            return q
 
+        def prefetch_prefill_dp_rank_queries(self):
+            pass  # queries the prefill's bootstrap server for its DP rank: there is none
 
-class DecodeTransferStub:
-    """Decode transfer queue without KV pools: the list, and upstream's poll when not empty."""
+        def resume_retracted_reqs(self):
+            return []  # nothing is retracted without memory pressure
 
-    def __init__(self, s, h):
-        self.s, self.h = s, h
-        self.queue = []
+        def admit(self, decode_req) -> None:
+            """What a successful preallocation leaves: a metadata slot, and the receiver told to start."""
+            decode_req.metadata_buffer_index = self.req_to_metadata_buffer_idx_allocator.alloc()
+            decode_req.kv_receiver.start_transfer()
 
-    def resolve_deferred_releases(self):
-        pass
+        def pop_preallocated(self, rids_to_check=None, pp_good_rids=None, pp_bad_rids=None):
+            self._update_handshake_waiters()
+            failed, moved, keep = [], [], []
+            for d in self.queue:
+                if isinstance(d.req.finished_reason, FINISH_ABORT):  # as upstream: stream it, drop it
+                    self.scheduler.output_streamer.stream_output([d.req], d.req.return_logprob)
+                    d.kv_receiver.clear()
+                    failed.append(d)
+                elif d.waiting_for_input:
+                    self.admit(d)
+                    moved.append(d)
+                else:
+                    keep.append(d)
+            self.queue = keep
+            return moved, failed
 
-    def extend(self, items):
-        self.queue.extend(items)
+    class Transfer(DecodeTransferQueue):
+        """Upstream's transfer queue; only ``_commit_transfer_to_req`` (the model's first token, read
+        from the metadata buffers) is replaced."""
 
-    def _release_request(self, decode_req):
-        pass
+        @classmethod
+        def build(cls, s, h):
+            q = object.__new__(cls)
+            q.scheduler, q.queue, q.tree_cache, q.tp_rank, q.gloo_group = s, [], s.tree_cache, h.rank, s.attn_tp_cpu_group
+            q.req_to_metadata_buffer_idx_allocator = s.req_to_metadata_buffer_idx_allocator
+            q.metadata_buffers = MetadataSlots(s.req_to_metadata_buffer_idx_allocator.size)
+            q.enable_host_receive = q.enable_staging = q.enable_deferred_kv_release = False
+            q.staging_handler, q.spec_algorithm, q.deferred_kv_release_timeout = None, None, 30.0
+            q._skipped_checksum_signatures, q._deferred_releases = set(), []
+            return q
 
-    def pop_transferred(self):
-        from sglang.srt.disaggregation.base.conn import KVPoll
-        from sglang.srt.disaggregation.utils import poll_and_all_reduce
+        def _commit_transfer_to_req(self, decode_req):
+            decode_req.kv_receiver.clear()
+            decode_req.kv_receiver = None
 
-        if not self.queue:
-            return []
-        polls = poll_and_all_reduce([d.kv_receiver for d in self.queue], self.s.attn_tp_cpu_group)
-        done, keep = [], []
-        for d, poll in zip(self.queue, polls):
-            if poll == KVPoll.Failed:
-                self.h._fail(d.req)
-            elif poll == KVPoll.Success:
-                done.append(d.req)
-            else:
-                keep.append(d)
-        self.queue = keep
-        return done
-
-
-def _fail(self, req):
-    from http import HTTPStatus
-
-    from sglang.srt.disaggregation.utils import prepare_abort
-
-    prepare_abort(req, f"KV transfer failed (scripted) rid={req.rid}", status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
-    self._stream_output([req])
+    _DECODE_QUEUES.update(prealloc=Prealloc, transfer=Transfer)
+    return Prealloc, Transfer
 
 
-Harness._fail = _fail
 
 
 # ----------------------------------------------------------------------------------------------
@@ -676,44 +805,40 @@ _LOOPS: dict[str, dict] = {}
 
 
 def prepare_loops(tmp: str) -> None:
-    """In the parent, before forking: load the patched copy of prefill.py/decode.py.
+    """In the parent, before forking: load the pin's loop methods, pristine and patched.
 
-    The pristine files of the installed sglang are copied to ``tmp`` and ``dsv4-sm120 patch apply
-    --sglang-root tmp`` is applied there (the venv is never touched); the patched modules are then
-    executed under their real names (without replacing the installed ones in ``sys.modules``) and their
-    two loop methods are kept for ``use_loops("patched")``.
+    Both come from copies under ``tmp`` (``pristine``: the pin's bytes, reverted there if the venv's
+    sglang was patched; ``patched``: ``dsv4-sm120 patch apply --sglang-root`` on a copy), never from
+    the installed modules, so the suite means the same whether or not the venv was patched. Each copy
+    is executed under its real module name (without replacing the installed modules in
+    ``sys.modules``); its loop methods are kept for ``use_loops``.
     """
     import importlib.util
-    import shutil
     from pathlib import Path
 
     import sglang.srt.disaggregation.decode as dec
     import sglang.srt.disaggregation.prefill as pre
     from sglang.srt.managers.scheduler import Scheduler  # noqa: F401 - imports the mixins first
 
-    from dsv4_sm120 import patching
+    import pristine
 
-    root = Path(tmp)
-    for mod in (pre, dec):
-        dst = root / "sglang/srt/disaggregation" / Path(mod.__file__).name
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(mod.__file__, dst)
-    patching.change(root, reverse=False, explicit_root=True)
-    patched = {}
-    for mod in (pre, dec):
-        path = root / "sglang/srt/disaggregation" / Path(mod.__file__).name
-        spec = importlib.util.spec_from_file_location(mod.__name__, path)
-        m = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(m)
-        patched[mod.__name__] = m
-    _LOOPS["upstream"] = {
-        "prefill": pre.SchedulerDisaggregationPrefillMixin.event_loop_overlap_disagg_prefill,
-        "decode": dec.SchedulerDisaggregationDecodeMixin.event_loop_overlap_disagg_decode,
-    }
-    _LOOPS["patched"] = {
-        "prefill": patched[pre.__name__].SchedulerDisaggregationPrefillMixin.event_loop_overlap_disagg_prefill,
-        "decode": patched[dec.__name__].SchedulerDisaggregationDecodeMixin.event_loop_overlap_disagg_decode,
-    }
+    trees = {"upstream": pristine.pristine_tree(Path(tmp) / "pristine"),
+             "patched": pristine.patched_tree(Path(tmp) / "patched")}
+    for which, root in trees.items():
+        loaded = {}
+        for mod in (pre, dec):
+            spec = importlib.util.spec_from_file_location(mod.__name__, root / pristine.DISAGG / Path(mod.__file__).name)
+            m = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(m)
+            loaded[mod] = m
+        prefill_mixin = loaded[pre].SchedulerDisaggregationPrefillMixin
+        decode_mixin = loaded[dec].SchedulerDisaggregationDecodeMixin
+        _LOOPS[which] = {
+            ("prefill", "overlap"): prefill_mixin.event_loop_overlap_disagg_prefill,
+            ("decode", "overlap"): decode_mixin.event_loop_overlap_disagg_decode,
+            ("prefill", "normal"): prefill_mixin.event_loop_normal_disagg_prefill,
+            ("decode", "normal"): decode_mixin.event_loop_normal_disagg_decode,
+        }
 
 
 def use_loops(which: str) -> None:
@@ -721,8 +846,9 @@ def use_loops(which: str) -> None:
     import sglang.srt.disaggregation.decode as dec
     import sglang.srt.disaggregation.prefill as pre
 
-    pre.SchedulerDisaggregationPrefillMixin.event_loop_overlap_disagg_prefill = _LOOPS[which]["prefill"]
-    dec.SchedulerDisaggregationDecodeMixin.event_loop_overlap_disagg_decode = _LOOPS[which]["decode"]
+    mixins = {"prefill": pre.SchedulerDisaggregationPrefillMixin, "decode": dec.SchedulerDisaggregationDecodeMixin}
+    for (loop, kind), fn in _LOOPS[which].items():
+        setattr(mixins[loop], fn.__name__, fn)
 
 
 def setup_parent(tmp: str) -> None:
@@ -733,21 +859,22 @@ def setup_parent(tmp: str) -> None:
     runtime_context.publish(ServerArgs(model_path="dummy", device="cpu", disaggregation_mode="prefill"),
                             role="scheduler")
     prepare_loops(tmp)
-    _apply_poll_hook()
+    _apply_guard_hooks()
 
 
-def _apply_poll_hook() -> None:
-    """The guard area's poll hook, applied with upstream's HookRegistry as the plugin does (guard on).
+def _apply_guard_hooks() -> None:
+    """The guard area's hooks, registered and applied with upstream's HookRegistry as the plugin does
+    with the guard on. They act only on schedulers the patched loop guards, so the guard-off and
+    upstream-loop scenarios run upstream's code."""
+    import dataclasses
 
-    It acts only on groups the guard set up, so the guard-off and upstream-loop scenarios keep gloo.
-    """
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from dsv4_sm120.guard import poll_reduce
-    from dsv4_sm120.hooks import hook
+    from dsv4_sm120 import settings
+    from dsv4_sm120.guard import hooks, poll_reduce
 
     if poll_reduce.TARGET not in HookRegistry._patched:
-        hook(poll_reduce.TARGET, poll_reduce.all_reduce_polls)
+        hooks.register(dataclasses.replace(settings.load(), collective_guard=True))
         HookRegistry.apply_hooks()
 
 

@@ -162,7 +162,7 @@ def test_upstream_poll_reduction_goes_through_the_guards_shared_memory():
 
     import pd_loop_harness
 
-    pd_loop_harness._apply_poll_hook()
+    pd_loop_harness._apply_guard_hooks()
     assert "sglang.srt.disaggregation.utils._all_reduce_polls" in HookRegistry._patched
     world = 3
     expected = [min((r + 2) % 5 for r in range(world)), 4 - (world - 1), 3]

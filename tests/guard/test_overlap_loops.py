@@ -1,8 +1,10 @@
-"""The REAL patched overlap PD loops of sglang 0.5.23 on 2 and 4 gloo ranks, without a model.
+"""The REAL patched PD loops of sglang 0.5.23 (overlap and normal) on 2 and 4 gloo ranks, without a model.
 
 See ``pd_loop_harness`` for exactly what is real and what is replaced (and why). The pytest process
-imports sglang once and loads the patched loops from a patched COPY of the pinned files; every
-group of ranks is forked from it and runs many scenarios on one gloo group.
+imports sglang once and loads the pristine and patched loops from COPIES of the pinned files (so
+the venv's own patch state does not matter); every group of ranks is forked from it and runs many
+scenarios on one gloo group. Divergence is injected at every point of an iteration where rank-local
+state changes (``H.POINTS``): with the guard it is reconciled, without it the ranks hang.
 """
 
 from __future__ import annotations
@@ -55,6 +57,43 @@ def test_unpatched_upstream_loop_hangs_when_one_rank_queue_empties(loop):
     assert "ok" not in statuses and "hang" in statuses, statuses
 
 
+# A late divergence of each kind the top-of-iteration check alone does not see in time.
+LATE = [("prefill", "batch_formation", "skip"), ("prefill", "batch_result", "abort"),
+        ("decode", "transfer", "complete"), ("decode", "batch_formation", "abort")]
+EVERY_POINT = [(loop, point, kind) for loop, points in H.POINTS.items() for point, kinds in points.items()
+               for kind in kinds]
+
+
+def _hangs(res) -> list:
+    per_rank = res.get(-4, [None, None])
+    statuses = [r.status if r else "no answer" for r in per_rank]
+    assert "ok" not in statuses and ("hang" in statuses or "error" in statuses), statuses
+    return statuses
+
+
+@pytest.mark.parametrize("loop,point,kind", LATE)
+def test_unpatched_upstream_loop_hangs_on_a_late_divergence(loop, point, kind):
+    """Upstream's loop with one rank's queue or batch changed after the iteration's top: the ranks
+    enter different collectives (gloo's 4 s timeout ends the wait, or gloo aborts on mismatched sizes)."""
+    _hangs(H.run_group(2, [(H.at_point(loop, point, kind), "upstream")], timeout_s=4, wall_s=60))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loop,point,kind", EVERY_POINT)
+def test_unpatched_upstream_loop_hangs_at_every_injection_point(loop, point, kind):
+    _hangs(H.run_group(2, [(H.at_point(loop, point, kind), "upstream")], timeout_s=4, wall_s=60))
+
+
+@pytest.mark.parametrize("loop", ["prefill", "decode"])
+def test_unpatched_normal_loop_hangs_too(loop):
+    """``--disable-overlap-schedule``'s loops skip the same polls on an empty queue."""
+    sc = H.one_sided_empty(loop, 2)
+    sc.kind = "normal"
+    res = H.run_group(2, [(sc, "upstream")], timeout_s=4, wall_s=60)
+    statuses = [r.status if r else "no answer" for r in res[-1]]
+    assert "ok" not in statuses and "hang" in statuses, statuses
+
+
 def test_guard_switched_off_behaves_as_upstream_and_hangs(monkeypatch):
     """DSV4_SM120_COLLECTIVE_GUARD=0 with the patch applied: the same hang as upstream."""
     res = H.run_group(2, [(H.one_sided_empty("prefill", 2), "patched")], timeout_s=4, wall_s=60,
@@ -77,15 +116,53 @@ def test_guard_reconciles_the_incident(world):
     assert all(r.counters["reconciled"] >= 1 for r in res[-1])
 
 
+@pytest.mark.parametrize("loop", ["prefill", "decode"])
+def test_every_injection_point_is_reconciled(loop):
+    """One divergence at each point of an iteration where rank-local state changes, each kind that
+    can happen there: every scenario finishes on every rank, no fail-fast, each request completes or
+    its client gets the guard's "safe to retry" abort, and the injection really happened."""
+    cases = [c for c in EVERY_POINT if c[0] == loop]
+    jobs = []
+    for i, (_, point, kind) in enumerate(cases):
+        sc = H.at_point(loop, point, kind)
+        sc.seed = i
+        jobs.append((sc, "patched"))
+    res = H.run_group(2, jobs, timeout_s=20, wall_s=240)
+    _check_completed(res, 2)
+    _expected_seeds(res, len(cases))
+    for i, case in enumerate(cases):
+        assert res[i][1].injected == 1, f"{case}: the injection never fired on rank 1"
+        assert all(r.counters["reconciled"] >= 1 and r.counters["fail_fasts"] == 0 for r in res[i]), (case, res[i])
+
+
 @pytest.mark.parametrize("world,n", [(2, 16), (4, 6)])
 @pytest.mark.parametrize("loop", ["prefill", "decode"])
 def test_randomized_scenarios_never_hang(loop, world, n):
     """Seeded random arrivals, per-rank bootstrap/transfer timings, real failures, and 1-3 injected
-    rank-local divergences per scenario: 0 hangs, every request completes or is aborted with a reason."""
+    rank-local divergences per scenario at random points: 0 hangs, every request completes or is
+    aborted with a reason."""
     res = H.run_group(world, [((seed, loop, world), "patched") for seed in range(n)], timeout_s=20, wall_s=240)
     totals = _check_completed(res, world)
     _expected_seeds(res, n)
     assert totals["scenarios"] == n
+
+
+@pytest.mark.parametrize("loop", ["prefill", "decode"])
+def test_randomized_scenarios_on_the_normal_loop_never_hang(loop):
+    """The same on ``event_loop_normal_disagg_*`` (``--disable-overlap-schedule``), patched too."""
+    res = H.run_group(2, [((seed, loop, 2, "normal"), "patched") for seed in range(10)], timeout_s=20, wall_s=240)
+    assert _check_completed(res, 2)["scenarios"] == 10
+    _expected_seeds(res, 10)
+
+
+def test_decode_queues_are_upstreams():
+    """The decode side runs upstream's queue classes: their polls and flag reductions are upstream's."""
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeTransferQueue
+
+    prealloc, transfer = H._decode_queue_classes()
+    assert issubclass(prealloc, DecodePreallocQueue) and issubclass(transfer, DecodeTransferQueue)
+    assert "_update_handshake_waiters" not in vars(prealloc)
+    assert not {"pop_transferred", "resolve_deferred_releases", "_release_request"} & set(vars(transfer))
 
 
 def test_unreconcilable_divergence_fails_fast_and_exits_nonzero():
@@ -103,9 +180,12 @@ def test_unreconcilable_divergence_fails_fast_and_exits_nonzero():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loop,world,n", [("prefill", 2, 300), ("decode", 2, 300), ("prefill", 4, 200), ("decode", 4, 200)])
-def test_thousand_randomized_scenarios_never_hang(loop, world, n):
-    """1000 seeded scenarios in all (these four cases together), each reproducible from its seed."""
-    res = H.run_group(world, [((seed, loop, world), "patched") for seed in range(n)], timeout_s=30, wall_s=1800)
+@pytest.mark.parametrize("loop,world,n,kind", [("prefill", 2, 250, "overlap"), ("decode", 2, 250, "overlap"),
+                                               ("prefill", 4, 150, "overlap"), ("decode", 4, 150, "overlap"),
+                                               ("prefill", 2, 100, "normal"), ("decode", 2, 100, "normal")])
+def test_thousand_randomized_scenarios_never_hang(loop, world, n, kind):
+    """1000 seeded scenarios in all (these six cases together), injection points random, each
+    reproducible from its seed: 0 hangs, 0 fail-fasts (no scenario creates unreconcilable state)."""
+    res = H.run_group(world, [((seed, loop, world, kind), "patched") for seed in range(n)], timeout_s=30, wall_s=1800)
     assert _check_completed(res, world)["scenarios"] == n
     _expected_seeds(res, n)

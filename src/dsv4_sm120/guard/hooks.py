@@ -1,12 +1,14 @@
 """Hooks of the collective-guard area: a loud startup warning when the guard is not in the code,
-and the transfer polls' MIN-reduction through the guard's shared memory.
+the later agreements of an iteration, and the transfer polls' MIN-reduction through shared memory.
 
-The guard itself is a patch (``dsv4-sm120 patch apply``), not a hook; nothing
-here can turn it on. What a hook can do is notice, when a PD scheduler builds
-its disaggregation state, that the loaded loop modules lack the guard call,
-and say so where operators look, instead of letting the deadlock wait for the
-next mass abort. The poll hook (``poll_reduce``) acts only on groups the guard
-itself set up, so without the patch it never changes anything.
+The guard's per-iteration call is a patch (``dsv4-sm120 patch apply``), not a hook: no hook
+reaches a loop body. What hooks can do: notice, when a PD scheduler builds its disaggregation
+state, that the loaded loop modules lack the guard call, and say so where operators look instead
+of letting the deadlock wait for the next mass abort; agree on each queue right before its
+conditional poll (``queue_check``) and on the formed batch right before the loop's ``if batch:``
+(``batch_check``); and MIN-reduce polls through the guard's shared memory (``poll_reduce``). The
+last three act only on schedulers and groups the patched loop's call set up, so without the patch
+they never change anything.
 """
 
 from __future__ import annotations
@@ -22,12 +24,17 @@ TARGET = "sglang.srt.managers.scheduler.Scheduler.init_disaggregation"
 
 
 def register(cfg: Settings) -> None:
-    """With the guard on: the startup check and the shared-memory poll reduction; off: nothing."""
+    """With the guard on: the startup check, the later agreements, the shared-memory polls; off: nothing."""
     if cfg.collective_guard:
-        from dsv4_sm120.guard import poll_reduce  # numpy and torch.distributed: only when the guard is on
+        # numpy and torch.distributed: only when the guard is on
+        from dsv4_sm120.guard import batch_check, poll_reduce, queue_check
 
         hook(TARGET, warn_if_unpatched)
         hook(poll_reduce.TARGET, poll_reduce.all_reduce_polls)
+        for target, queue in queue_check.TARGETS.items():
+            hook(target, queue_check.hook_for(queue))
+        hook(batch_check.PREFILL_TARGET, batch_check.check_prefill_batch)
+        hook(batch_check.DECODE_TARGET, batch_check.check_decode_batch)
 
 
 def warn_if_unpatched(result, scheduler, *args, **kwargs):

@@ -1,4 +1,4 @@
-"""The call the patched overlap PD loops make once per iteration.
+"""The call the patched PD loops make once per iteration, and the agreement every later check reuses.
 
 ``check_iteration(scheduler, loop)`` runs on every TP rank at the same point of
 every iteration (after the request broadcast, before the first queue poll). It
@@ -7,9 +7,15 @@ iteration proceeds unchanged. Disagreement on queues: reconcile (requests not
 held by every rank are aborted where held, their clients told why) and check
 again. Disagreement that reconciliation cannot remove (batch state, or queues
 still differing after ``MAX_ROUNDS``): fail fast, i.e. log one per-rank
-diagnosis, mark the guard unhealthy, raise out of the loop (upstream's
-scheduler process then signals its parent to shut the server down) and make
-sure the process exits non-zero within ``EXIT_WITHIN_S`` even if teardown hangs.
+diagnosis, raise out of the loop (upstream's scheduler process then logs it and
+signals its parent to shut the server down; with the loop gone no health check
+is answered) and make sure the process exits non-zero within ``EXIT_WITHIN_S``
+even if teardown hangs.
+
+The first call also leaves the scheduler's guard state behind (``active``): the
+later checks of an iteration (``queue_check`` before each conditional poll,
+``batch_check`` on the formed batch) act only on a scheduler that has it, so
+they never touch a loop the patch did not reach (PP loops, guard off, TP=1).
 
 ``DSV4_SM120_COLLECTIVE_GUARD=0`` makes the call return at once: the loop is upstream's.
 """
@@ -30,16 +36,10 @@ EXIT_WITHIN_S = 8.0  # hard exit deadline after a fail-fast (the promise is < 10
 EXIT_CODE = 3
 
 counters = Counters()
-_healthy = True
 
 
 class CollectiveGuardFailFast(RuntimeError):
-    """TP ranks of an overlap PD scheduler diverged and could not be reconciled."""
-
-
-def healthy() -> bool:
-    """False once this process failed fast; health checks report it."""
-    return _healthy
+    """TP ranks of a PD scheduler diverged and could not be reconciled."""
 
 
 class _State:
@@ -51,9 +51,16 @@ class _State:
         self.enabled = settings.load().collective_guard
         self.groups = [consensus.Agreement(g) for g in consensus.groups_of(scheduler)] if self.enabled else []
         self.rank = getattr(scheduler, "tp_rank", 0)
+        self.loop = loop
         reporter = getattr(scheduler, "metrics_reporter", None)
         if self.enabled and getattr(reporter, "enable_metrics", False) and not counters._prom:
             counters.enable_metrics(loop)
+
+
+def active(scheduler) -> _State | None:
+    """The guard state of a scheduler whose patched loop has called ``check_iteration``, when it guards."""
+    state = scheduler.__dict__.get("_dsv4_guard")
+    return state if state is not None and state.groups else None
 
 
 def check_iteration(scheduler, loop: str) -> None:
@@ -61,24 +68,32 @@ def check_iteration(scheduler, loop: str) -> None:
     state = scheduler.__dict__.get("_dsv4_guard")
     if state is None:
         state = scheduler.__dict__["_dsv4_guard"] = _State(scheduler, loop)
-    if not state.groups:
-        return
+    if state.groups:
+        agree(scheduler, state, lambda: snapshot.take(scheduler, loop), "at the top of the iteration")
+
+
+def agree(scheduler, state: _State, take, where: str) -> None:
+    """Bring what ``take()`` snapshots into agreement on every group, or fail fast.
+
+    ``take`` returns a ``snapshot.Snapshot``; its queues are reconciled, its scalars must be equal.
+    """
     for agreement in state.groups:
         try:
-            _agree(scheduler, loop, agreement, state.rank)
+            _agree(scheduler, state.loop, agreement, state.rank, take, where)
         except consensus.PeerLost as e:
-            _fail_fast(loop, state.rank, [], [], str(e))
+            _fail_fast(state.loop, state.rank, [], [], str(e))
 
 
-def _agree(scheduler, loop: str, agreement: consensus.Agreement, rank: int) -> None:
+def _agree(scheduler, loop: str, agreement: consensus.Agreement, rank: int, take, where: str) -> None:
     seen = False
     for _ in range(MAX_ROUNDS):
-        snap = snapshot.take(scheduler, loop)
+        snap = take()
         bad = agreement.disagreeing_fields(snap.vector())
         if not bad:
             if seen:
                 counters.add("divergences_reconciled")
-                logger.warning("dsv4-sm120 guard: %s rank %d reconciled; counters %s", loop, rank, counters.line())
+                logger.warning("dsv4-sm120 guard: %s rank %d reconciled %s; counters %s",
+                               loop, rank, where, counters.line())
             return
         if not seen:
             seen = True
@@ -86,17 +101,17 @@ def _agree(scheduler, loop: str, agreement: consensus.Agreement, rank: int) -> N
         gathered = agreement.gather(_exchange(scheduler, loop, snap))
         labels = snap.labels()
         if any(g["scalars"] != gathered[0]["scalars"] for g in gathered):
-            _fail_fast(loop, rank, [labels[i] for i in bad], gathered, "batch state differs (not reconcilable)")
+            _fail_fast(loop, rank, [labels[i] for i in bad], gathered, f"batch state differs {where} (not reconcilable)")
         p = reconcile.plan(gathered)
         retired = reconcile.apply(scheduler, loop, p, agreement.world)
         counters.add("requests_aborted", retired)
         logger.warning(
-            "dsv4-sm120 guard: %s rank %d: ranks disagreed on %s; aborted %d request(s) this rank held "
+            "dsv4-sm120 guard: %s rank %d: ranks disagreed %s on %s; aborted %d request(s) this rank held "
             "alone (%s); counters %s",
-            loop, rank, ", ".join(labels[i] for i in bad), retired,
+            loop, rank, where, ", ".join(labels[i] for i in bad), retired,
             ", ".join(f"{q}: {sorted(o)}" for q, o in p.orphans.items()) or "queue order only", counters.line(),
         )
-    _fail_fast(loop, rank, [], gathered, f"still diverged after {MAX_ROUNDS} reconciliations")
+    _fail_fast(loop, rank, [], gathered, f"still diverged {where} after {MAX_ROUNDS} reconciliations")
 
 
 def _exchange(scheduler, loop: str, snap: snapshot.Snapshot) -> dict:
@@ -110,8 +125,6 @@ def _exchange(scheduler, loop: str, snap: snapshot.Snapshot) -> dict:
 
 
 def _fail_fast(loop: str, rank: int, fields: list[str], gathered: list[dict], why: str) -> None:
-    global _healthy
-    _healthy = False
     counters.add("fail_fasts")
     lines = [f"dsv4-sm120 guard: FAIL FAST on {loop} rank {rank}: {why}; disagreeing: {', '.join(fields) or 'see below'}"]
     for r, g in enumerate(gathered):

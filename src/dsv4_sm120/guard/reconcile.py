@@ -33,13 +33,17 @@ class Plan:
     ipc: dict[str, str | None]  # rid -> http_worker_ipc route for the abort message
 
 
-def plan(gathered: list[dict]) -> Plan:
-    """From every rank's ``{"queues": {name: [rid]}, "ipc": {rid: route}}`` decide keep/orphans."""
+def plan(gathered: list[dict], keep_common: bool = True) -> Plan:
+    """From every rank's ``{"queues": {name: [rid]}, "ipc": {rid: route}}`` decide keep/orphans.
+
+    ``keep_common=False``: keep nothing, every request listed is retired where held (a decode batch
+    that cannot be run nor rolled back).
+    """
     names = list(gathered[0]["queues"])
     keep, orphans, ipc = {}, {}, {}
     for name in names:
         per_rank = [g["queues"][name] for g in gathered]
-        common = set(per_rank[0]).intersection(*map(set, per_rank[1:]))
+        common = set(per_rank[0]).intersection(*map(set, per_rank[1:])) if keep_common else set()
         keep[name] = [rid for rid in per_rank[0] if rid in common]
         lost: dict[str, list[int]] = {}
         for rank, rids in enumerate(per_rank):
@@ -67,8 +71,6 @@ def apply(scheduler, loop: str, p: Plan, world: int) -> int:
 
     Returns how many requests this rank retired.
     """
-    from sglang.srt.managers.io_struct import AbortReq
-
     retired = 0
     held = {}
     for name, keep in p.keep.items():
@@ -91,16 +93,26 @@ def apply(scheduler, loop: str, p: Plan, world: int) -> int:
             told.add(rid)
             item = held.get(rid)
             recv_obj = getattr(item, "req", item) if item is not None else SimpleNamespace(http_worker_ipc=p.ipc.get(rid))
-            message = reason(loop, name, holders, world)
-            scheduler.send_abort_output(
-                AbortReq(
-                    rid=rid,
-                    abort_message=message,
-                    finished_reason={"type": "abort", "status_code": ABORT_STATUS, "message": message},
-                ),
-                recv_obj,
-            )
+            _tell(scheduler, rid, recv_obj, reason(loop, name, holders, world))
     return retired
+
+
+def retire_and_tell(scheduler, loop: str, queue: str, item, holder: int, world: int) -> None:
+    """Retire one request this rank holds outside any queue (a chunked request of a dropped batch)."""
+    message = reason(loop, queue, [holder], world)
+    _retire(scheduler, loop, queue, item, message)
+    _tell(scheduler, snapshot.rid_of(item), getattr(item, "req", item), message)
+
+
+def _tell(scheduler, rid: str, recv_obj, message: str) -> None:
+    """The client's abort, through upstream's sender (a no-op on ranks without the tokenizer socket)."""
+    from sglang.srt.managers.io_struct import AbortReq
+
+    scheduler.send_abort_output(
+        AbortReq(rid=rid, abort_message=message,
+                 finished_reason={"type": "abort", "status_code": ABORT_STATUS, "message": message}),
+        recv_obj,
+    )
 
 
 def _keep_only(scheduler, loop: str, name: str, items: list) -> None:
@@ -131,7 +143,11 @@ def _retire(scheduler, loop: str, name: str, item, message: str) -> None:
         elif name in ("prealloc", "transfer"):
             item.kv_receiver.abort()
             if name == "transfer":
-                scheduler.disagg_decode_transfer_queue._release_request(item)
+                queue = scheduler.disagg_decode_transfer_queue
+                queue._release_request(item)
+                if item.metadata_buffer_index != -1:  # given back as upstream's pop_transferred does
+                    queue.metadata_buffers.clear_slot(item.metadata_buffer_index)
+                    queue.req_to_metadata_buffer_idx_allocator.free(item.metadata_buffer_index)
         elif name == "retracted":
             from sglang.srt.mem_cache.common import discard_kv_cache_backup
             from sglang.srt.runtime_context import get_disagg

@@ -90,8 +90,28 @@ def take(scheduler, loop: str) -> Snapshot:
     scalars = {
         "chunked_req.digest": digest([] if chunked is None else [chunked.rid]),
         "last_batch.present": int(bool(last)),
-        "last_batch.digest": digest(_batch_rids(last)),
+        # decode's last batch is its running batch, a queue reconciled above; any other is not
+        "last_batch.digest": 0 if last is getattr(scheduler, "running_batch", None) else digest(_batch_rids(last)),
         "result_queue.len": len(getattr(scheduler, "result_queue", ()) or ()),
         "deferred_inputs.len": len(getattr(scheduler, "_deferred_input_requests", ()) or ()),
     }
     return Snapshot(loop, queues, scalars)
+
+
+def take_queue(scheduler, loop: str, name: str) -> Snapshot:
+    """One queue alone: what a poll site agrees on before upstream reduces that queue's polls."""
+    return Snapshot(loop, {name: [rid_of(x) for x in queue_items(scheduler, loop, name)]}, {})
+
+
+BATCH_FIELDS = ("batch.present", "batch.forward_mode", "batch.size", "batch.digest", "batch.extend_tokens",
+                "batch.seq_lens_sum")
+
+
+def batch_vector(batch) -> list[int]:
+    """What decides the forward's collectives: whether it runs, its mode, its requests, its token counts."""
+    if not batch:
+        return [0] * len(BATCH_FIELDS)
+    rids = _batch_rids(batch)
+    mode = getattr(batch, "forward_mode", None)
+    return [1, -1 if mode is None else int(mode), len(rids), digest(rids),
+            int(getattr(batch, "extend_num_tokens", None) or 0), int(getattr(batch, "seq_lens_sum", None) or 0)]
