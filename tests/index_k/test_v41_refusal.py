@@ -85,3 +85,16 @@ def test_model_impl_sglang_on_v41_is_upstream(probe, dtype):
 def test_v4_checkpoints_are_served_as_before(probe, dtype):
     assert probe[f"v4_dsv4_{dtype}"] == {"class": OURS, "arch": "DeepseekV4ForCausalLM"}
     assert probe[f"v4_sglang_{dtype}"]["class"] == UPSTREAM
+
+
+def test_readme_table_is_the_verdict_the_code_refuses_with():
+    from pathlib import Path
+
+    from dsv4_sm120.model.v41 import PIECES
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## DeepSeek-V4.1\n", 1)[1].split("\n## ", 1)[0]
+    rows = [[cell.strip() for cell in line.strip("|").split(" | ")]
+            for line in section.splitlines() if line.startswith("| ")][2:]
+    assert [(name, verdict == "holds", evidence) for name, verdict, evidence in rows] == [
+        (p.name, p.holds, p.evidence) for p in PIECES]
