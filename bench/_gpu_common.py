@@ -78,6 +78,20 @@ def gemm_ceiling(size: int = 8192) -> dict:
     return {"gemm_bf16_tflops": 2 * size**3 / ms / 1e9, "gemm_size": size}
 
 
+def fp8_gemm_ceiling(size: int = 8192) -> dict:
+    """Measured dense e4m3 GEMM rate on random data (torch._scaled_mm, fp32 scales, bf16 out), TFLOP/s."""
+    if _DRY["on"]:
+        return {"gemm_fp8_tflops": None}
+    a = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    try:
+        ms = median_ms(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    except Exception as exc:  # recorded: the fp8 ceiling is context, not a gate
+        return {"gemm_fp8_tflops": None, "gemm_fp8_error": f"{type(exc).__name__}: {exc}"}
+    return {"gemm_fp8_tflops": 2 * size**3 / ms / 1e9}
+
+
 def run_meta() -> dict:
     try:
         commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=REPO, text=True).strip()

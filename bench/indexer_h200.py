@@ -1,196 +1,251 @@
-"""H200 bench + real-shape correctness for the bf16 indexer kernels (issue 8).
+"""H200 bench of the bf16 indexer kernels against upstream's own fp8 kernel, same page tables, one run (issue 14).
 
-One run measures the two ceilings (HBM read bandwidth, bf16 GEMM rate), checks
-every kernel against its torch reference at real shapes, times the kernels and
-the torch references in the same process, and writes
-bench/results/indexer_h200_<date>.json (or $OUT_JSON).
+One run measures the ceilings (HBM read bandwidth, dense bf16 and fp8 GEMM rates), checks every kernel
+against its torch reference (``doctor --selftest`` included) and times, side by side on the same keys
+and page tables, this package's bf16 logits kernel and upstream's TileLang fp8 kernel
+``tilelang_fp8_paged_mqa_logits`` -- the kernel the pin runs by default on sm_120
+(``SGLANG_OPT_USE_TILELANG_INDEXER=1`` from ``arg_groups/model_hook.py``), built here for sm_90. It
+writes bench/results/indexer_h200_<date>.json (or $OUT_JSON).
 
-    PYTHONPATH=src COMMIT=$(git rev-parse HEAD) python bench/indexer_h200.py [--quick]
+    PYTHONPATH=src COMMIT=$(git rev-parse HEAD) python bench/indexer_h200.py --tilelang PATH/tilelang_kernel.py
 
-Shapes (issue 8): decode 64 requests x 32768 keys x 64 heads x 128 dims;
-prefill 8192 queries x 8192 keys (dense: every query sees every key; a causal
-variant is reported beside it). Page tables are random permutations of the
-pool, so keys are gathered, as in serving.
+``PATH/tilelang_kernel.py`` is ``sglang/kernels/ops/attention/dsa/tilelang_kernel.py`` from the
+sglang==0.5.23 wheel, run unmodified. The device image has no sglang, so the two sglang helpers that file
+imports (``is_fp8_fnuz``, ``is_hip``, ``is_gfx95_supported``: platform probes, all False on an NVIDIA
+GPU) are given as stand-in modules before it is loaded; nothing else of sglang is involved.
+
+Shapes: decode B in {1, 8, 64, 256} x live keys in {4k, 32k, 128k}, each at width = live and at the
+capture width 262144; target-verify (MTP next_n = 2: two rows per request, lengths n - 1 and n, one
+page table); prefill dense and causal at 8192 and 32768 (one request: every row shares its page table).
+Keys are gathered through random page permutations, as in serving. The fp8 side reads fp8 pages made
+from the same keys (per-token e4m3 with an fp32 scale, upstream's 132-byte layout).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import math
 import os
 import sys
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _gpu_common as g  # noqa: E402  (also puts src/ on sys.path)
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from dsv4_sm120.kernels.index_k_store import store_index_k_bf16, store_index_k_bf16_ref  # noqa: E402
 from dsv4_sm120.kernels.index_query import index_query_bf16, index_query_bf16_ref  # noqa: E402
 from dsv4_sm120.kernels.mqa_logits import bf16_paged_mqa_logits, paged_mqa_logits_ref  # noqa: E402
 
-H, D, PAGE = 64, 128, 64
-TOPK = 512
+H, D, PAGE, TOPK = 64, 128, 64, 512
+CAPTURE_WIDTH = 262144  # a 1M-token context: upstream's decode logits width is the capture width
 DEV = "cuda"
-# Shapes; --dry-cpu shrinks them to check the script itself under TRITON_INTERPRET=1 on a CPU.
-SIZES = dict(decode_b=64, decode_n=32768, prefill_rows=8192, prefill_n=8192, store_n=16384, store_pool=2048,
-             query_t=8192, prec_rows=32, prec_n=16384, ragged_max=70001, ref_chunk=1024, max_pos=65536)
-DRY_SIZES = dict(decode_b=2, decode_n=256, prefill_rows=64, prefill_n=128, store_n=32, store_pool=4,
-                 query_t=4, prec_rows=2, prec_n=1024, ragged_max=1100, ref_chunk=16, max_pos=2048)
+SIZES = dict(decode_b=(1, 8, 64, 256), decode_live=(4096, 32768, 131072), width=CAPTURE_WIDTH,
+             verify=((8, 32768), (64, 32768)), prefill=(8192, 32768), sweep_n=8192, check_rows=3,
+             store_n=16384, store_pool=2048, query_t=8192, ragged_max=70001, max_pos=65536)
+DRY_SIZES = dict(decode_b=(1, 2), decode_live=(256,), width=1024, verify=((2, 256),), prefill=(128,), sweep_n=128,
+                 check_rows=2, store_n=32, store_pool=4, query_t=4, ragged_max=1100, max_pos=2048)
 
 
-# ----------------------------------------------------------------------------- data
-def heavy_tailed(shape, gen, df=3.0):
-    """Student-t samples (heavy tails, like real index keys after the Hadamard rotation has spread outliers)."""
-    z = torch.randn(shape, generator=gen, device=DEV)
-    chi2 = torch.distributions.Chi2(torch.tensor(df, device=DEV)).sample(shape[:-1] + (1,))
-    return z / torch.sqrt(chi2 / df)
+# ----------------------------------------------------------------------------- upstream's fp8 kernel
+def load_tilelang(path: str | None):
+    """upstream's ``tilelang_fp8_paged_mqa_logits`` from the pinned wheel's file, or (None, why not)."""
+    if not path:
+        return None, "no --tilelang file given"
+    probes = {"sglang.kernels.ops.quantization.fp8_kernel": {"is_fp8_fnuz": lambda: False},
+              "sglang.srt.utils": {"is_hip": lambda: False, "is_gfx95_supported": lambda: False}}
+    for name in ("sglang", "sglang.kernels", "sglang.kernels.ops", "sglang.kernels.ops.quantization", "sglang.srt"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    for name, attrs in probes.items():
+        mod = types.ModuleType(name)
+        mod.__dict__.update(attrs)
+        sys.modules[name] = mod
+    try:
+        spec = importlib.util.spec_from_file_location("upstream_tilelang_kernel", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod.tilelang_fp8_paged_mqa_logits, None
+    except Exception as exc:  # reported in the JSON: the run goes on without the peer column
+        return None, f"{type(exc).__name__}: {exc}"
 
 
-def make_case(rows, seq_lens, max_seq_len, gen, heavy=True, shared_table=False, extra_pages=0):
-    """q, weights, pool pages, seq_lens, page_table for ``rows`` query rows."""
-    n_pages_row = math.ceil(max_seq_len / PAGE)
-    n_tables = 1 if shared_table else rows
-    pool_pages = n_tables * n_pages_row + extra_pages
-    draw = heavy_tailed if heavy else (lambda s, gg: torch.randn(s, generator=gg, device=DEV))
-    pages = draw((pool_pages, PAGE, D), gen).to(torch.bfloat16)
-    q = draw((rows, H, D), gen).to(torch.bfloat16)
-    w = torch.randn((rows, H), generator=gen, device=DEV)
-    perm = torch.randperm(pool_pages, generator=gen, device=DEV)[: n_tables * n_pages_row]
-    pt = perm.view(n_tables, n_pages_row).to(torch.int32)
-    if shared_table:
-        pt = pt.expand(rows, -1).contiguous()
-    sl = torch.as_tensor(seq_lens, dtype=torch.int32, device=DEV)
-    return q, w, pages, sl, pt
-
-
-def topk_overlap(a, b, seq_lens, k=TOPK):
-    """Mean and min over rows of |top-k(a) & top-k(b)| / min(k, len); rows with len <= k count as 1 if exact."""
-    fr = []
-    for r in range(a.shape[0]):
-        n = int(seq_lens[r])
-        kk = min(k, n)
-        ia = set(torch.topk(a[r, :n], kk).indices.tolist())
-        ib = set(torch.topk(b[r, :n], kk).indices.tolist())
-        fr.append(len(ia & ib) / kk)
-    return sum(fr) / len(fr), min(fr)
-
-
-def compare_logits(out, ref, seq_lens):
-    fin = torch.isfinite(ref)
-    same_mask = bool(torch.equal(fin, torch.isfinite(out)))
-    nan = bool(torch.isnan(out).any())
-    err = float((out[fin] - ref[fin]).norm() / ref[fin].norm().clamp_min(1e-30)) if fin.any() else 0.0
-    mean_ov, min_ov = topk_overlap(out, ref, seq_lens)
-    return {"rel_err": err, "mask_ok": same_mask, "nan": nan, "top512_mean": mean_ov, "top512_min": min_ov}
-
-
-# ----------------------------------------------------------------------------- torch baselines
-def torch_bf16_logits(q, pages, w, seq_lens, pt, max_seq_len, chunk=1024):
-    """Upstream's sm_120 torch algorithm with bf16 pages: gather pages, bmm, relu, weight, sum, mask (row chunks)."""
-    n_pages = math.ceil(max_seq_len / PAGE)
-    outs = []
-    pos = torch.arange(n_pages * PAGE, device=q.device)
-    for r0 in range(0, q.shape[0], chunk):
-        r1 = min(q.shape[0], r0 + chunk)
-        kv = pages[pt[r0:r1, :n_pages]].view(r1 - r0, n_pages * PAGE, D)
-        s = torch.bmm(kv, q[r0:r1].transpose(1, 2))
-        s = (F.relu(s) * w[r0:r1, None, :]).sum(-1)
-        s = s.masked_fill(pos[None, :] >= seq_lens[r0:r1, None], float("-inf"))
-        outs.append(s[:, :max_seq_len])
-    return torch.cat(outs)
-
-
-def fp8_quant_rows(x):
-    """Per-row (last dim) e4m3 quantization with an fp32 scale = amax / 448 (upstream's index-K format)."""
+def fp8_rows(x):
+    """Per-row (last dim) e4m3 with an fp32 scale amax / 448, as upstream's fp8 index keys and queries."""
     scale = x.float().abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448.0
-    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
 
 
-def torch_fp8_logits(q8, qscale_w, pages8, kscale, seq_lens, pt, max_seq_len):
-    """Upstream's sm_120 fp8 algorithm (re-expressed): gather fp8 pages, dequantize, bmm, relu, weight, sum, scale."""
-    n_pages = math.ceil(max_seq_len / PAGE)
-    b = q8.shape[0]
-    kv = pages8[pt[:, :n_pages]].view(b, n_pages * PAGE, D).to(torch.bfloat16)
-    ks = kscale[pt[:, :n_pages]].view(b, n_pages * PAGE)
-    s = torch.bmm(kv, q8.to(torch.bfloat16).transpose(1, 2))
-    s = (F.relu(s) * qscale_w[:, None, :]).sum(-1) * ks
-    pos = torch.arange(n_pages * PAGE, device=q8.device)
-    return s.masked_fill(pos[None, :] >= seq_lens[:, None], float("-inf"))[:, :max_seq_len]
+def fp8_pool(pages_bf16):
+    """upstream's fp8 index-K page layout: [64 x 128 e4m3 keys | 64 x fp32 scales] = 8448 bytes per page."""
+    k8, ks = fp8_rows(pages_bf16)
+    n = pages_bf16.shape[0]
+    raw = torch.cat([k8.view(torch.uint8).reshape(n, -1), ks.contiguous().view(torch.uint8).reshape(n, -1)], 1)
+    return raw.view(n, PAGE, 1, D + 4)
+
+
+class Fp8Peer:
+    """The same queries and keys in upstream's fp8 format, and a call of upstream's TileLang kernel on them."""
+
+    def __init__(self, fn, pool8):
+        self.fn, self.pool8 = fn, pool8
+
+    def prepare(self, q, w):
+        q8, qs = fp8_rows(q)
+        return q8.unsqueeze(1).contiguous(), (w * qs).contiguous()
+
+    def __call__(self, q8, w8, seq_lens, page_table, width):
+        return self.fn(q8, self.pool8, w8, seq_lens, page_table, None, width, False)
+
+
+# ----------------------------------------------------------------------------- cases and checks
+def case(pool_pages, rows, lens, width, gen, shared=False):
+    """q, w, seq_lens, page_table [rows, width / 64] (live pages a random draw from the pool, the rest page 0)."""
+    width_pages = math.ceil(width / PAGE)
+    live_pages = math.ceil(max(lens) / PAGE)
+    tables = 1 if shared else rows
+    perm = torch.randperm(pool_pages, generator=gen, device=DEV)[: tables * live_pages].view(tables, live_pages)
+    pt = torch.zeros((tables, width_pages), dtype=torch.int32, device=DEV)
+    pt[:, :live_pages] = perm.to(torch.int32)
+    if shared:
+        pt = pt.expand(rows, -1).contiguous()
+    q = torch.randn((rows, H, D), generator=gen, device=DEV).to(torch.bfloat16)
+    w = torch.randn((rows, H), generator=gen, device=DEV)
+    sl = torch.as_tensor(lens, dtype=torch.int32, device=DEV)
+    return q, w, sl, pt
+
+
+def check_rows(out, q, pages, w, sl, pt, width, rows):
+    """rel err against the float64 reference on sampled rows, top-512 identical, nothing written past a length."""
+    idx = torch.as_tensor(rows, device=DEV)
+    ref = paged_mqa_logits_ref(q[idx], pages, w[idx], sl[idx], pt[idx], width, dtype=torch.float64, rows_per_chunk=1)
+    got = out[idx]
+    live = torch.isfinite(ref)
+    err = float((got[live] - ref[live]).norm() / ref[live].norm())
+    same = all(set(torch.topk(got[i, :n], min(TOPK, n)).indices.tolist())
+               == set(torch.topk(ref[i, :n], min(TOPK, n)).indices.tolist())
+               for i, n in enumerate(sl[idx].tolist()))
+    return {"rel_err": err, "top512_identical": same, "live_all_written": not bool(got[live].isnan().any()),
+            "past_length_untouched": bool(got[~live].isnan().all())}
+
+
+def peer_agreement(ours, theirs, sl):
+    """How far upstream's fp8 scores are from ours on the live part (fp8 rounding, not a bug, when small)."""
+    live = torch.arange(ours.shape[1], device=DEV)[None, :] < sl[:, None]
+    err = float((theirs[live] - ours[live]).norm() / ours[live].norm())
+    overlap = [len(set(torch.topk(ours[r, :n], min(TOPK, n)).indices.tolist())
+                   & set(torch.topk(theirs[r, :n], min(TOPK, n)).indices.tolist())) / min(TOPK, n)
+               for r, n in enumerate(sl[: min(4, len(sl))].tolist())]
+    return {"fp8_vs_bf16_rel_err": err, "fp8_vs_bf16_top512_overlap_min": min(overlap)}
+
+
+def timed_pair(peer, q, w, pages, sl, pt, width, **kw):
+    """Our kernel and upstream's, timed back to back on the same inputs; both outputs for the checks."""
+    out = torch.full((q.shape[0], width), float("nan"), device=DEV)
+    ours = g.median_ms(lambda: bf16_paged_mqa_logits(q, pages, w, sl, pt, width, out=out, **kw))
+    out.fill_(float("nan"))
+    bf16_paged_mqa_logits(q, pages, w, sl, pt, width, out=out, **kw)
+    res = {"ours_ms": ours, "fp8_ms": None, "ratio": None}
+    if peer is not None:
+        try:
+            q8, w8 = peer.prepare(q, w)
+            theirs_out = peer(q8, w8, sl, pt, width)
+            res["fp8_ms"] = g.median_ms(lambda: peer(q8, w8, sl, pt, width))
+        except Exception as exc:  # upstream's kernel failing on a shape is a finding, not a crash of the run
+            res["fp8_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            return res, out
+        res["ratio"] = ours / res["fp8_ms"]
+        res.update(peer_agreement(out, theirs_out, sl))
+        del theirs_out
+    return res, out
 
 
 # ----------------------------------------------------------------------------- sections
-def correctness_logits(gen):
-    """Ragged lengths, page boundaries, < 512 keys, 1 key, 64k+ keys, masked tails, poisoned output."""
-    max_len = SIZES["ragged_max"]
-    lens = [x for x in (1, 63, 64, 65, 100, 511, 512, 513, 4096, 8191, 32768) if x < max_len] + [max_len]
-    q, w, pages, sl, pt = make_case(len(lens), lens, max_len, gen, extra_pages=7)
-    out = torch.full((len(lens), max_len), float("nan"), device=DEV)
-    bf16_paged_mqa_logits(q, pages, w, sl, pt, max_len, out=out)
-    ref = paged_mqa_logits_ref(q, pages, w, sl, pt, max_len, rows_per_chunk=2)
-    res = compare_logits(out, ref, sl)
-    res["unwritten"] = int(torch.isnan(out).sum())
-    res["lens"] = lens
-    return res
+def decode_section(peer, pool, gen, read_gbps):
+    rows_out = []
+    for b in SIZES["decode_b"]:
+        for live in SIZES["decode_live"]:
+            for width in sorted({live, SIZES["width"]}):
+                q, w, sl, pt = case(pool.shape[0], b, [live] * b, width, gen)
+                res, out = timed_pair(peer, q, w, pool, sl, pt, width)
+                res.update(shape="decode", B=b, live=live, width=width)
+                res["check"] = check_rows(out, q, pool, w, sl, pt, width, list(range(min(b, SIZES["check_rows"]))))
+                nbytes = b * live * D * 2 + b * live * 4 + q.numel() * 2  # keys, logits written, queries
+                res["hbm_fraction"] = nbytes / (res["ours_ms"] * 1e6) / read_gbps
+                rows_out.append(res)
+                print(_row_text(res), flush=True)
+                del out
+    return rows_out
 
 
-def decode_section(gen, configs, quick):
-    b, n = SIZES["decode_b"], SIZES["decode_n"]
-    q, w, pages, sl, pt = make_case(b, [n] * b, n, gen, heavy=False)
-    out = torch.full((b, n), float("nan"), device=DEV)
-    bf16_paged_mqa_logits(q, pages, w, sl, pt, n, out=out)
-    ref = paged_mqa_logits_ref(q, pages, w, sl, pt, n, rows_per_chunk=4)
-    check = compare_logits(out, ref, sl)
-    check["unwritten"] = int(torch.isnan(out).sum())
-    del ref
-    sweep = []
-    for cfg in configs:
-        ms = g.median_ms(lambda: bf16_paged_mqa_logits(q, pages, w, sl, pt, n, out=out, **cfg))
-        sweep.append({**cfg, "ms": ms})
-        print(f"decode {cfg} {ms:.4f} ms", flush=True)
-    default_ms = g.median_ms(lambda: bf16_paged_mqa_logits(q, pages, w, sl, pt, n, out=out))
-    ref_ms = g.median_ms(lambda: torch_bf16_logits(q, pages, w, sl, pt, n), rep=100)
-    # upstream's fp8 layout and torch algorithm on the same data, for the fp8-beside-bf16 row
-    pages8, kscale = fp8_quant_rows(pages)
-    q8, qscale = fp8_quant_rows(q)
-    qw = w * qscale.squeeze(-1)
-    fp8_ms = g.median_ms(lambda: torch_fp8_logits(q8, qw, pages8, kscale.squeeze(-1), sl, pt, n), rep=100)
-    nbytes = b * n * D * 2 + q.numel() * 2 + w.numel() * 4 + pt.numel() * 4 + b * n * 4
-    return {"check": check, "sweep": sweep, "default_ms": default_ms, "ref_ms": ref_ms,
-            "fp8_torch_ms": fp8_ms, "bytes": nbytes}
+def verify_section(peer, pool, gen):
+    rows_out = []
+    for b, live in SIZES["verify"]:
+        lens = [n for _ in range(b) for n in (live - 1, live)]  # next_n = 2 draft rows per request
+        for width in sorted({live, SIZES["width"]}):
+            q, w, sl, pt = case(pool.shape[0], b, [live], width, gen)
+            pt = pt.repeat_interleave(2, dim=0)  # both rows of a request read its page table
+            q, w = q.repeat_interleave(2, 0), w.repeat_interleave(2, 0)
+            sl = torch.as_tensor(lens, dtype=torch.int32, device=DEV)
+            res, out = timed_pair(peer, q, w, pool, sl, pt, width)
+            res.update(shape="target_verify", B=b, next_n=2, rows=2 * b, live=live, width=width)
+            res["check"] = check_rows(out, q, pool, w, sl, pt, width, [0, 1])
+            rows_out.append(res)
+            print(_row_text(res), flush=True)
+            del out
+    return rows_out
 
 
-def prefill_section(gen, configs, quick):
-    rows, n = SIZES["prefill_rows"], SIZES["prefill_n"]
-    q, w, pages, _, pt = make_case(rows, [n] * rows, n, gen, heavy=False, shared_table=True)
-    dense = torch.full((rows,), n, dtype=torch.int32, device=DEV)
-    causal = torch.arange(1, rows + 1, dtype=torch.int32, device=DEV)  # query t sees keys < t + 1
-    out = torch.full((rows, n), float("nan"), device=DEV)
-    checks = {}
-    for name, sl in (("dense", dense), ("causal", causal)):
-        out.fill_(float("nan"))
-        bf16_paged_mqa_logits(q, pages, w, sl, pt, n, out=out)
-        sample = torch.arange(0, rows, 97, device=DEV)
-        ref = paged_mqa_logits_ref(q[sample], pages, w[sample], sl[sample], pt[sample], n, rows_per_chunk=8)
-        checks[name] = compare_logits(out[sample], ref, sl[sample])
-        checks[name]["unwritten"] = int(torch.isnan(out).sum())
-    sweep = []
-    for cfg in configs:
-        ms = g.median_ms(lambda: bf16_paged_mqa_logits(q, pages, w, dense, pt, n, out=out, **cfg))
-        sweep.append({**cfg, "ms": ms})
-        print(f"prefill {cfg} {ms:.4f} ms", flush=True)
-    default_ms = g.median_ms(lambda: bf16_paged_mqa_logits(q, pages, w, dense, pt, n, out=out))
-    causal_ms = g.median_ms(lambda: bf16_paged_mqa_logits(q, pages, w, causal, pt, n, out=out))
-    del out
-    torch.cuda.empty_cache()
-    ref_ms = g.median_ms(lambda: torch_bf16_logits(q, pages, w, dense, pt, n, chunk=SIZES["ref_chunk"]),
-                         warmup=1, rep=1)
-    flops = 2.0 * rows * n * H * D
-    causal_flops = 2.0 * float(causal.double().sum()) * H * D
-    return {"checks": checks, "sweep": sweep, "default_ms": default_ms, "ref_ms": ref_ms,
-            "causal_ms": causal_ms, "flops": flops, "causal_flops": causal_flops}
+def prefill_section(peer, pool, gen, gemm_tflops):
+    rows_out = []
+    for n in SIZES["prefill"]:
+        for kind in ("dense", "causal"):
+            lens = [n] * n if kind == "dense" else list(range(1, n + 1))
+            q, w, sl, pt = case(pool.shape[0], n, lens, n, gen, shared=True)
+            res, out = timed_pair(peer, q, w, pool, sl, pt, n)
+            flops = 2.0 * float(sl.double().sum()) * H * D
+            res.update(shape="prefill", kind=kind, rows=n, keys=n, width=n, flops=flops,
+                       ours_tflops=flops / res["ours_ms"] / 1e9)
+            res["ours_gemm_fraction"] = res["ours_tflops"] / gemm_tflops
+            if res["fp8_ms"]:
+                res["fp8_tflops"] = flops / res["fp8_ms"] / 1e9
+            res["check"] = check_rows(out, q, pool, w, sl, pt, n, [0, n // 2, n - 1])
+            rows_out.append(res)
+            print(_row_text(res), flush=True)
+            del out, q, w, sl, pt
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+    return rows_out
+
+
+PREFILL_SWEEP = [dict(rows_per_program=r, block_k=bk, num_warps=nw, num_stages=ns)
+                 for r in (1, 2, 4) for bk in (64, 128) for nw in (4, 8) for ns in (2, 3)]
+DECODE_SWEEP = [dict(min_tiles=m, num_warps=nw, num_stages=ns) for m in (2, 4, 8) for nw in (4, 8) for ns in (2, 3)]
+
+
+def sweep_section(pool, gen):
+    """Launch configurations of our kernel: prefill dense 8192 and decode 64 x 32768 at the capture width."""
+    n = SIZES["sweep_n"]
+    out = {"prefill_dense": [], "decode_64x32k_wide": []}
+    q, w, sl, pt = case(pool.shape[0], n, [n] * n, n, gen, shared=True)
+    buf = torch.empty((n, n), device=DEV)
+    for cfg in PREFILL_SWEEP:
+        try:
+            ms = g.median_ms(lambda: bf16_paged_mqa_logits(q, pool, w, sl, pt, n, out=buf, **cfg), rep=60)
+            out["prefill_dense"].append({**cfg, "ms": ms, "tflops": 2.0 * n * n * H * D / ms / 1e9})
+        except Exception as exc:  # e.g. out of shared memory for a large tile: recorded, not fatal
+            out["prefill_dense"].append({**cfg, "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
+        print("sweep prefill", out["prefill_dense"][-1], flush=True)
+    b, live, width = (64, 32768, SIZES["width"]) if not g._DRY["on"] else (2, 256, SIZES["width"])
+    q, w, sl, pt = case(pool.shape[0], b, [live] * b, width, gen)
+    buf = torch.empty((b, width), device=DEV)
+    for cfg in DECODE_SWEEP:
+        ms = g.median_ms(lambda: bf16_paged_mqa_logits(q, pool, w, sl, pt, width, out=buf, **cfg))
+        out["decode_64x32k_wide"].append({**cfg, "ms": ms})
+        print("sweep decode", out["decode_64x32k_wide"][-1], flush=True)
+    return out
 
 
 def err_over_row_rms(out, ref):
@@ -200,30 +255,30 @@ def err_over_row_rms(out, ref):
     return float(((o - r).abs() / rms).max())
 
 
-def store_query_section(gen):
-    """Store and query kernels at serving shapes against their float64 torch references."""
+def store_query_section(gen, read_gbps):
+    """Store and query kernels at serving shapes and the dtypes production feeds, against float64 references."""
     res = {}
     max_pos = SIZES["max_pos"]
-    freqs = torch.polar(torch.ones(max_pos, 32, device=DEV),
-                        torch.rand(max_pos, 32, generator=gen, device=DEV) * 6.28)
-    # store: 16384 compressed rows into a 2048-page pool, explicit positions
+    freqs = torch.polar(torch.ones(max_pos, 32, device=DEV), torch.rand(max_pos, 32, generator=gen, device=DEV) * 6.28)
     n, pool = SIZES["store_n"], SIZES["store_pool"]
-    kv = heavy_tailed((n, D), gen).to(torch.bfloat16)
-    nw = (1 + 0.1 * torch.randn(D, generator=gen, device=DEV))
+    kv = torch.randn((n, D), generator=gen, device=DEV)  # fp32: upstream's compressor output dtype
+    nw = 1 + 0.1 * torch.randn(D, generator=gen, device=DEV)  # fp32, as the compressor's norm weight
     slots = torch.randperm(pool * PAGE, generator=gen, device=DEV)[:n]
     pos = torch.randint(0, max_pos, (n,), generator=gen, device=DEV)
-    p1 = torch.zeros(pool, PAGE, D, dtype=torch.bfloat16, device=DEV)
+    p1 = torch.full((pool, PAGE, D), float("nan"), dtype=torch.bfloat16, device=DEV)
     p2 = p1.clone()
     kw = dict(norm_weight=nw, norm_eps=1e-6, freqs=freqs, positions=pos)
     store_index_k_bf16(kv, p1, slots, **kw)
     store_index_k_bf16_ref(kv, p2, slots, **kw)
-    res["store_mismatch_frac"] = float((p1 != p2).float().mean())
-    res["store_max_err_over_row_rms"] = err_over_row_rms(p1, p2)
+    both = ~p2.isnan()
+    res["store_kv_dtype"] = str(kv.dtype)
+    res["store_slots_exact"] = bool(torch.equal(both, ~p1.isnan()))
+    res["store_mismatch_frac"] = float((p1[both] != p2[both]).float().mean())
+    res["store_max_err_over_row_rms"] = err_over_row_rms(p1[both], p2[both])
     res["store_ms"] = g.median_ms(lambda: store_index_k_bf16(kv, p1, slots, **kw))
-    res["store_ref_ms"] = g.median_ms(lambda: store_index_k_bf16_ref(kv, p2, slots, **kw), rep=50)
-    # query: 8192 tokens x 64 heads
+    res["store_hbm_fraction"] = (n * D * 4 + n * D * 2 + n * 64 * 4) / (res["store_ms"] * 1e6) / read_gbps
     t = SIZES["query_t"]
-    q = heavy_tailed((t, H, D), gen).to(torch.bfloat16)
+    q = torch.randn((t, H, D), generator=gen, device=DEV).to(torch.bfloat16)  # wq_b's bf16 output
     wt = torch.randn(t, H, generator=gen, device=DEV).to(torch.bfloat16)
     pq = torch.randint(0, max_pos, (t,), generator=gen, device=DEV)
     a, wa = index_query_bf16(q, wt, 0.0110485, freqs, pq)
@@ -232,50 +287,36 @@ def store_query_section(gen):
     res["query_max_err_over_row_rms"] = err_over_row_rms(a, b)
     res["query_weights_equal"] = bool(torch.allclose(wa, wb))
     res["query_ms"] = g.median_ms(lambda: index_query_bf16(q, wt, 0.0110485, freqs, pq))
-    res["query_ref_ms"] = g.median_ms(lambda: index_query_bf16_ref(q, wt, 0.0110485, freqs, pq), rep=50)
+    res["query_hbm_fraction"] = (2 * q.numel() * 2 + t * 64 * 4) / (res["query_ms"] * 1e6) / read_gbps
     return res
 
 
-def precision_section(gen):
-    """Top-512 overlap with an fp32 reference on fp32 (unrounded) heavy-tailed data: bf16 keys vs fp8 keys."""
-    rows, n = SIZES["prec_rows"], SIZES["prec_n"]
-    q32 = heavy_tailed((rows, H, D), gen)
-    k32 = heavy_tailed((rows * n // PAGE, PAGE, D), gen)
-    w = torch.randn(rows, H, generator=gen, device=DEV)
-    pt = torch.randperm(rows * n // PAGE, generator=gen, device=DEV).view(rows, -1).to(torch.int32)
-    sl = torch.full((rows,), n, dtype=torch.int32, device=DEV)
-
-    def ref64(qx, kx, wx):
-        kv = kx[pt.long()].view(rows, n, D).double()
-        return (torch.einsum("rnd,rhd->rnh", kv, qx.double()).clamp_min(0) * wx.double()[:, None, :]).sum(-1).float()
-
-    exact = ref64(q32, k32, w)
-    bf16 = bf16_paged_mqa_logits(q32.to(torch.bfloat16), k32.to(torch.bfloat16), w, sl, pt, n)
-    k8, ks = fp8_quant_rows(k32)
-    q8, qs = fp8_quant_rows(q32)
-    fp8 = torch_fp8_logits(q8, w * qs.squeeze(-1), k8, ks.squeeze(-1), sl, pt, n)
-    out = {}
-    for name, val in (("bf16", bf16), ("fp8", fp8)):
-        m, mn = topk_overlap(val, exact, sl)
-        fin = torch.isfinite(exact)
-        out[name] = {"top512_mean": m, "top512_min": mn,
-                     "rel_err": float((val[fin] - exact[fin]).norm() / exact[fin].norm())}
-    return out
+def correctness_ragged(pool, gen):
+    """Ragged lengths, page boundaries, < 512 keys, 1 key, 64k+ keys; output poisoned with NaN."""
+    max_len = SIZES["ragged_max"]
+    lens = [x for x in (1, 63, 64, 65, 100, 511, 512, 513, 4096, 8191, 32768) if x < max_len] + [max_len]
+    q, w, sl, pt = case(pool.shape[0], len(lens), lens, max_len, gen)
+    out = torch.full((len(lens), max_len), float("nan"), device=DEV)
+    bf16_paged_mqa_logits(q, pool, w, sl, pt, max_len, out=out)
+    res = check_rows(out, q, pool, w, sl, pt, max_len, list(range(len(lens))))
+    res["lens"] = lens
+    return res
 
 
-DECODE_CONFIGS = [
-    dict(block_k=bk, tiles_per_prog=tpp, num_warps=nw, num_stages=ns)
-    for bk in (64, 128) for tpp in (4, 8, 16) for nw in (4, 8) for ns in (2, 3, 4)
-]
-PREFILL_CONFIGS = [
-    dict(block_k=bk, tiles_per_prog=tpp, num_warps=nw, num_stages=ns)
-    for bk in (64, 128) for tpp in (16, 128) for nw in (4, 8) for ns in (2, 3, 4)
-]
+def _row_text(r):
+    name = r["shape"] + (f" {r['kind']}" if "kind" in r else "")
+    dims = f"B={r['B']}" if "B" in r else f"rows={r['rows']}"
+    ratio = f"{r['ratio']:.2f}" if r.get("ratio") else "-"
+    fp8 = f"{r['fp8_ms']:.4f}" if r.get("fp8_ms") else "-"
+    return (f"{name:<22} {dims:<8} live={r['live'] if 'live' in r else r['keys']:<7} width={r['width']:<7} "
+            f"ours {r['ours_ms']:.4f} ms  fp8 {fp8} ms  ours/fp8 {ratio}  "
+            f"err {r['check']['rel_err']:.1e} top512 {'=' if r['check']['top512_identical'] else 'DIFF'}")
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="a few configs only")
+    ap.add_argument("--tilelang", help="upstream's tilelang_kernel.py from the sglang==0.5.23 wheel")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep")
     ap.add_argument("--dry-cpu", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): checks the script")
     args = ap.parse_args()
     global DEV
@@ -283,69 +324,41 @@ def main():
         DEV = "cpu"
         SIZES.update(DRY_SIZES)
         g.dry_run_mode()
-        args.quick = True
     gen = torch.Generator(device=DEV)
     gen.manual_seed(1234)
     torch.backends.cuda.matmul.allow_tf32 = False
     meta = g.run_meta()
     print(meta, flush=True)
-    ceil = {**g.hbm_ceilings(), **g.gemm_ceiling()}
+    ceil = {**g.hbm_ceilings(), **g.gemm_ceiling(), **g.fp8_gemm_ceiling()}
     print(ceil, flush=True)
-    dec_cfgs = DECODE_CONFIGS[:4] if args.quick else DECODE_CONFIGS
-    pre_cfgs = PREFILL_CONFIGS[:4] if args.quick else PREFILL_CONFIGS
-    corr = correctness_logits(gen)
-    print("correctness", corr, flush=True)
-    sq = store_query_section(gen)
-    print("store/query", sq, flush=True)
-    prec = precision_section(gen)
-    print("precision", prec, flush=True)
-    dec = decode_section(gen, dec_cfgs, args.quick)
-    print("decode", {k: v for k, v in dec.items() if k != "sweep"}, flush=True)
-    torch.cuda.empty_cache()
-    pre = prefill_section(gen, pre_cfgs, args.quick)
-    print("prefill", {k: v for k, v in pre.items() if k != "sweep"}, flush=True)
+    result = {**meta, "ceilings": ceil, "capture_width": SIZES["width"]}
+    if not args.dry_cpu:
+        from dsv4_sm120.kernels import selftest
 
-    best_dec = min(dec["sweep"], key=lambda r: r["ms"]) if dec["sweep"] else None
-    best_pre = min(pre["sweep"], key=lambda r: r["ms"]) if pre["sweep"] else None
-    read_bw = ceil["hbm_read_gbps"]
-    gemm = ceil["gemm_bf16_tflops"]
-    result = {
-        **meta,
-        **ceil,
-        "decode_ms": dec["default_ms"],
-        "decode_ref_ms": dec["ref_ms"],
-        "decode_hbm_fraction": dec["bytes"] / dec["default_ms"] / 1e6 / read_bw,
-        "decode_fp8_torch_ms": dec["fp8_torch_ms"],
-        "decode_speedup_vs_ref": dec["ref_ms"] / dec["default_ms"],
-        "decode_bytes": dec["bytes"],
-        "decode_check": dec["check"],
-        "decode_best_config": best_dec,
-        "decode_sweep": dec["sweep"],
-        "prefill_ms": pre["default_ms"],
-        "prefill_ref_ms": pre["ref_ms"],
-        "prefill_tflops": pre["flops"] / pre["default_ms"] / 1e9,
-        "prefill_gemm_fraction": pre["flops"] / pre["default_ms"] / 1e9 / gemm,
-        "prefill_ref_tflops": pre["flops"] / pre["ref_ms"] / 1e9,
-        "prefill_speedup_vs_ref": pre["ref_ms"] / pre["default_ms"],
-        "prefill_causal_ms": pre["causal_ms"],
-        "prefill_causal_tflops": pre["causal_flops"] / pre["causal_ms"] / 1e9,
-        "prefill_checks": pre["checks"],
-        "prefill_best_config": best_pre,
-        "prefill_sweep": pre["sweep"],
-        "correctness_ragged": corr,
-        "store_query": sq,
-        "precision_vs_fp32": prec,
-        "shapes": {"decode": "64 req x 32768 keys x 64 heads x 128", "prefill": "8192 q x 8192 keys (dense)"},
-    }
+        result["selftest"] = [r.line() for r in selftest.run_all()]
+        print("\n".join(result["selftest"]), flush=True)
+    fn, why_not = load_tilelang(None if args.dry_cpu else args.tilelang)
+    result["tilelang"] = {"loaded": fn is not None, "why_not": why_not, "file": args.tilelang}
+    pool_pages = max(max(SIZES["decode_b"]) * max(SIZES["decode_live"]) // PAGE,
+                     12 * math.ceil(SIZES["ragged_max"] / PAGE))  # the ragged case's 12 rows, one table each
+    pool = torch.randn((pool_pages, PAGE, D), generator=gen, device=DEV).to(torch.bfloat16)
+    peer = Fp8Peer(fn, fp8_pool(pool)) if fn is not None else None
+    result["correctness_ragged"] = correctness_ragged(pool, gen)
+    print("ragged", result["correctness_ragged"], flush=True)
+    result["store_query"] = store_query_section(gen, ceil["hbm_read_gbps"])
+    print("store/query", result["store_query"], flush=True)
+    result["decode"] = decode_section(peer, pool, gen, ceil["hbm_read_gbps"])
+    result["target_verify"] = verify_section(peer, pool, gen)
+    result["prefill"] = prefill_section(peer, pool, gen, ceil["gemm_bf16_tflops"])
+    if not args.no_sweep:
+        result["sweep"] = sweep_section(pool, gen)
     date = datetime.date.today().isoformat()
     default = g.REPO / "bench" / "results" / f"indexer_h200_{date}.json"
     path = Path(os.environ.get("OUT_JSON", "/tmp/indexer_dry.json" if args.dry_cpu else default))
     g.write_json(path, result)
-    print("SUMMARY decode %.4f ms (ref %.3f, fp8 torch %.3f) hbm %.1f%% | prefill %.3f ms (ref %.1f) %.0f TF/s = %.1f%% gemm"
-          % (result["decode_ms"], result["decode_ref_ms"], result["decode_fp8_torch_ms"],
-             100 * result["decode_hbm_fraction"], result["prefill_ms"], result["prefill_ref_ms"],
-             result["prefill_tflops"], 100 * result["prefill_gemm_fraction"]))
-    print("best decode", best_dec, "best prefill", best_pre)
+    print("\nTABLE")
+    for r in result["decode"] + result["target_verify"] + result["prefill"]:
+        print(_row_text(r))
 
 
 if __name__ == "__main__":
