@@ -78,6 +78,22 @@ def gemm_ceiling(size: int = 8192) -> dict:
     return {"gemm_bf16_tflops": 2 * size**3 / ms / 1e9, "gemm_size": size}
 
 
+def preheat(ms: float = 100.0) -> None:
+    """Keep the GPU busy for about ``ms`` so the next timing does not start at idle clocks."""
+    if _DRY["on"]:
+        return
+    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
+    t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t[0].record()
+    while True:
+        for _ in range(20):
+            a @ a
+        t[1].record()
+        t[1].synchronize()
+        if t[0].elapsed_time(t[1]) >= ms:
+            return
+
+
 def fp8_gemm_ceiling(size: int = 8192) -> dict:
     """Measured dense e4m3 GEMM rate on random data (torch._scaled_mm, fp32 scales, bf16 out), TFLOP/s."""
     if _DRY["on"]:
@@ -93,10 +109,12 @@ def fp8_gemm_ceiling(size: int = 8192) -> dict:
 
 
 def run_meta() -> dict:
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=REPO, text=True).strip()
-    except Exception:  # the device copy may lack .git; the caller passes COMMIT then
-        commit = os.environ.get("COMMIT", "unknown")
+    commit = os.environ.get("COMMIT")  # the device copy's .git may be absent or stale: the caller passes COMMIT
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=REPO, text=True).strip()
+        except Exception:
+            commit = "unknown"
     dirty = os.environ.get("COMMIT_DIRTY", "")
     return {
         "commit": commit + ("-dirty" if dirty == "1" else ""),

@@ -121,18 +121,17 @@ def _row_block_kernel(
                 row = tl.minimum(r0 + r, n_rows - 1).to(tl.int64)
                 seq_r = tl.where(r0 + r < n_rows, tl.minimum(tl.load(seq_ptr + row), max_seq_len), 0)
                 live_r = n < seq_r
-                page = tl.load(pt_ptr + row * stride_pt_row + n // PAGE, mask=live_r, other=0).to(tl.int64)
-                k = tl.load(kv_ptr + (page * (PAGE * D) + (n % PAGE) * D)[:, None] + dims[None, :],
-                            mask=live_r[:, None], other=0.0)
+                page_r = tl.load(pt_ptr + row * stride_pt_row + n // PAGE, mask=live_r, other=0).to(tl.int64)
+                k_r = tl.load(kv_ptr + (page_r * (PAGE * D) + (n % PAGE) * D)[:, None] + dims[None, :],
+                              mask=live_r[:, None], other=0.0)
                 q_r = tl.load(q_ptr + row * stride_q_row + heads[None, :] * stride_q_head + dims[:, None])
                 w_r = tl.load(w_ptr + row * stride_w_row + heads).to(tl.float32)
                 if FP32_DOT:
-                    s = tl.dot(k.to(tl.float32), q_r.to(tl.float32), input_precision="ieee")
+                    s_r = tl.dot(k_r.to(tl.float32), q_r.to(tl.float32), input_precision="ieee")
                 else:
-                    s = tl.dot(k, q_r)
-                s = tl.sum(tl.maximum(s, 0.0) * w_r[None, :], axis=1)
-                tl.store(out_ptr + row * stride_out_row + n, s, mask=live_r)
-
+                    s_r = tl.dot(k_r, q_r)
+                s_r = tl.sum(tl.maximum(s_r, 0.0) * w_r[None, :], axis=1)
+                tl.store(out_ptr + row * stride_out_row + n, s_r, mask=live_r)
 
 def _normalize(q, weights, seq_lens, page_table):
     if q.dim() == 4:  # upstream passes [B, next_n=1, H, D]
