@@ -33,6 +33,7 @@ SPECS: dict[str, tuple] = {
     "nixl_late_frames_dropped_total": ("counter", "Transfer-info frames dropped because their room was already aborted", ()),
     "nixl_aborts_handled_total": ("counter", "ABORT frames from the decode side handled by the NIXL prefill thread", ()),
     "nixl_rooms_tombstoned_total": ("counter", "Rooms remembered as aborted so late frames cannot reopen them", ()),
+    "nixl_aborted_rooms_released_total": ("counter", "Aborted rooms no prefill sender held, dropped from the NIXL manager's tables", ()),
     "nixl_rooms_failed_fast_total": ("counter", "Rooms failed at once with a reason instead of waiting for the bootstrap timeout", ("reason",)),
     "nixl_bootstrap_threads_alive": ("gauge", "Hardened NIXL prefill bootstrap threads alive and polling", (), "livesum"),
     "nixl_transfer_workers_stuck": ("gauge", "NIXL transfer workers dead or holding one chunk past the stall limit", (), "livesum"),
@@ -59,8 +60,18 @@ _samplers: list[Callable[[], dict]] = []
 _sampler_thread: threading.Thread | None = None
 
 
-def enabled() -> bool:
-    return bool(_metrics)
+def exposed_names() -> set[str]:
+    """Every sample name the package's collectors can put on /metrics (counters carry ``_total``).
+
+    The guard's counters predate this module and name themselves ``sglang:dsv4_guard_<field>_total``
+    after the fields of :class:`dsv4_sm120.guard.counters.Counters`.
+    """
+    import dataclasses
+
+    from dsv4_sm120.guard.counters import Counters
+
+    guard = {f"sglang:dsv4_guard_{f.name}_total" for f in dataclasses.fields(Counters) if not f.name.startswith("_")}
+    return {f"sglang:dsv4_{name}" for name in SPECS} | guard
 
 
 def enable(tp_rank: int) -> None:
@@ -80,6 +91,8 @@ def enable(tp_rank: int) -> None:
                 _metrics[name] = Counter(full, doc, names)
             else:
                 _metrics[name] = Gauge(full, doc, names, multiprocess_mode=spec[3])
+            if not labels:  # shown as 0 from the start, so a dashboard's query has a series before the first event
+                _metrics[name].labels(**_labels)
         _sampler_thread = threading.Thread(target=_sample_forever, name="dsv4-metrics-sampler", daemon=True)
         _sampler_thread.start()
     logger.info("dsv4-sm120: %d sglang:dsv4_* metrics enabled on tp_rank=%s", len(SPECS), tp_rank)

@@ -100,6 +100,12 @@ MANIFEST: tuple[Touch, ...] = (
         "A sender opened for a room the decode already aborted starts Failed (tombstone).",
     ),
     Touch(
+        "sglang.srt.disaggregation.nixl.conn.NixlKVSender.__init__",
+        "after",
+        "disagg",
+        "Records which rooms a live prefill sender holds, so an aborted room nobody holds is dropped, not leaked.",
+    ),
+    Touch(
         "sglang.srt.managers.scheduler.Scheduler.handle_generate_request",
         "around",
         "disagg",

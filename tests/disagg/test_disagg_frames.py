@@ -129,3 +129,54 @@ def test_ten_thousand_generated_frames_never_kill_the_thread(make_pd):
     assert _one_session_completes(pd)
     sent = _fuzz(pd, 10_000)
     _check_after_fuzz(pd, sent)
+
+
+def _bad_transfer_info(pd, s) -> list[bytes]:
+    """The registered decode's own transfer-info frame for ``s``, with KV indices no int32 array can hold."""
+    frame = pd.metadata_frame(s)
+    frame[5] = b"\x00\x01\x02"  # 3 bytes: TransferInfo.from_zmq raises in np.frombuffer
+    return frame
+
+
+def test_refused_transfer_info_fails_its_open_room_at_once_with_the_reason(pd):
+    """A room whose transfer info was refused cannot be served: it fails now, not after the 300 s timeout."""
+    s = pd.open()
+    pd.push_raw(_bad_transfer_info(pd, s))
+    assert wait_until(lambda: s.sender.poll() == KV_FAILED, 5.0), "the room waited instead of failing"
+    assert pd.thread_alive()
+    reason = pd.prefill.failure_records.get(s.room, "")
+    assert "refused this request's transfer info" in reason and "bad transfer info" in reason, reason
+    assert pd.hardening.rejects.snapshot()["rejected_by_reason"].get("bad transfer info", 0) >= 1
+    pd.abort(s)  # the decode side gives up too; the session concludes for the pair's later tests
+    assert pd.run([s], 5.0)
+
+
+def test_refused_transfer_info_for_a_room_not_yet_open_makes_it_open_failed(pd):
+    s = pd.open(prefill=False)
+    pd.push_raw(_bad_transfer_info(pd, s))
+    assert wait_until(lambda: s.room in pd.hardening.tombstones, 5.0)
+    from sglang.srt.disaggregation.nixl.conn import NixlKVSender
+
+    sender = NixlKVSender(pd.prefill, pd.addr, s.room)  # the prefill request arrives after the bad frame
+    assert sender.poll() == KV_FAILED
+    assert "refused this request's transfer info" in pd.prefill.failure_records.get(s.room, "")
+    sender.clear()
+    pd.abort(s)
+    assert pd.run([s], 5.0)
+
+
+def test_aborted_room_no_sender_holds_is_released_not_leaked(pd):
+    """Transfer info arrived, the prefill request never did, the decode aborted: nothing may stay behind.
+
+    Found on a real PD pair (tests/e2e, three 80-session storms): 30 such rooms stayed in the
+    prefill manager's request_status and transfer_infos for good, because upstream leaves the
+    clearing of an aborted room to its sender, and these rooms had none.
+    """
+    s = pd.open(prefill=False)
+    pd.send_metadata(s)
+    assert wait_until(lambda: s.room in pd.prefill.request_status, 5.0), "the transfer info never bootstrapped the room"
+    pd.abort(s)
+    pd.settle_aborts()
+    assert wait_until(lambda: s.room not in pd.prefill.request_status and s.room not in pd.prefill.transfer_infos, 5.0), (
+        "an aborted room nobody holds stayed in the prefill manager's tables")
+    assert pd.run([s], 5.0)

@@ -28,13 +28,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 
+from dsv4_sm120 import metrics
 from dsv4_sm120.disagg.rejects import FrameRejected, RejectLog
 from dsv4_sm120.disagg.tombstones import Tombstones
 
 logger = logging.getLogger("dsv4_sm120.disagg")
 
 POLL_MS = 200
+SWEEP_EVERY_S = 5.0
 _MIN_PARTS = 4  # room, endpoint, port, agent name after the guard frame
 
 
@@ -79,6 +82,9 @@ class HardenedBootstrap:
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
         self.exit_reason: str | None = None
+        # Room -> the prefill's live sender for it (set by the sender hook). A room no sender
+        # holds has nobody to clear it from the manager's tables: see ``_abort``.
+        self.senders: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 
     # -- thread -----------------------------------------------------------------------------
     def start(self) -> threading.Thread:
@@ -97,9 +103,13 @@ class HardenedBootstrap:
         import zmq
 
         sock = self.mgr.server_socket
+        last_sweep = time.monotonic()
         try:
             while not self.stopping.is_set():
                 self.last_beat = time.monotonic()
+                if self.last_beat - last_sweep > SWEEP_EVERY_S:
+                    last_sweep = self.last_beat
+                    self.sweep_aborted_rooms()
                 if not sock.poll(POLL_MS, zmq.POLLIN):
                     continue
                 frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -178,6 +188,33 @@ class HardenedBootstrap:
         self.tombstones.bury(notification.room)
         self.mgr._handle_abort_notification(frames)
         self.rejects.count("aborts_handled")
+        self._forget_if_unheld(notification.room)
+
+    def sweep_aborted_rooms(self) -> None:
+        """Release every aborted room whose sender is gone (it may have gone after the ABORT came)."""
+        for room in list(self.mgr.request_status):
+            if room in self.tombstones:
+                self._forget_if_unheld(room)
+
+    def _forget_if_unheld(self, room: int) -> None:
+        """Drop an aborted room from the manager's tables when no prefill sender holds it.
+
+        Upstream marks an aborted room Failed and leaves the clearing to the room's
+        sender. When the decode's transfer info arrived but the prefill request never
+        reached (or already left) the scheduler, there is no sender: the room sat in
+        ``request_status`` and ``transfer_infos`` for good (seen on a real PD pair: 30
+        rooms after three 80-session storms). The tombstone keeps the room dead: a
+        sender opened for it later starts Failed.
+        """
+        if room in self.senders:
+            return
+        mgr = self.mgr
+        if room in mgr.request_status or room in mgr.transfer_infos:
+            metrics.inc("nixl_aborted_rooms_released_total")
+        mgr.request_status.pop(room, None)
+        mgr.transfer_infos.pop(room, None)
+        mgr.req_to_decode_prefix_len.pop(room, None)
+        mgr.failure_records.pop(room, None)
 
     def _register(self, body: list, agent: str) -> None:
         from sglang.srt.disaggregation.nixl.conn import KVArgsRegisterInfo
@@ -206,6 +243,27 @@ class HardenedBootstrap:
         except Exception:  # noqa: BLE001 - nothing was loaded for this agent
             pass
 
+    def _fail_room(self, room: int, why: FrameRejected) -> FrameRejected:
+        """Fail ``room`` now with ``why`` instead of leaving it to the bootstrap timeout; return ``why``.
+
+        Its transfer info was refused, so this prefill can never send its KV: the
+        request fails at once, with the reason, on the prefill (and so at the
+        router and the client). A room the prefill has not opened yet is buried with
+        the reason; when the request arrives, it opens Failed (``keep_aborted_rooms_dead``).
+        """
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        reason = (f"dsv4-sm120: the NIXL prefill bootstrap thread refused this request's transfer info "
+                  f"({why.reason}: {why.detail}); the request cannot be served and was failed at once")
+        metrics.inc("nixl_rooms_failed_fast_total", reason=why.reason)
+        self.mgr.transfer_infos.pop(room, None)
+        if room in self.mgr.request_status:
+            self.mgr.record_failure(room, reason)
+            self.mgr.update_status(room, KVPoll.Failed)
+        else:
+            self.tombstones.bury(room, reason)
+        return why
+
     def _transfer_info(self, room: int, agent: str, body: list) -> None:
         from sglang.srt.disaggregation.base.conn import KVPoll
         from sglang.srt.disaggregation.nixl.conn import TransferInfo
@@ -217,16 +275,16 @@ class HardenedBootstrap:
         mgr = self.mgr
         if agent not in mgr.decode_kv_args_table:
             # A decode registers on the same ordered socket before it sends any metadata.
-            if room in mgr.request_status:
-                mgr.record_failure(room, f"dsv4-sm120: decode agent {agent!r} sent metadata without registering")
-                mgr.update_status(room, KVPoll.Failed)
-            raise FrameRejected("unregistered peer", f"transfer info for room {room} from an agent that never registered")
+            raise self._fail_room(room, FrameRejected(
+                "unregistered peer", f"transfer info for room {room} from decode agent {agent!r}, which never registered"))
         try:
             info = TransferInfo.from_zmq(body)
         except Exception as exc:
-            raise FrameRejected("bad transfer info", f"room {room}: {type(exc).__name__}: {exc}") from None
+            raise self._fail_room(room, FrameRejected(
+                "bad transfer info", f"room {room}: {type(exc).__name__}: {exc}")) from None
         if info.required_dst_info_num < 1:
-            raise FrameRejected("bad transfer info", f"room {room}: required_dst_info_num={info.required_dst_info_num}")
+            raise self._fail_room(room, FrameRejected(
+                "bad transfer info", f"room {room}: required_dst_info_num={info.required_dst_info_num}"))
         room_infos = mgr.transfer_infos.setdefault(room, {})
         room_infos[agent] = info
         if len(room_infos) != info.required_dst_info_num:

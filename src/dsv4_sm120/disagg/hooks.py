@@ -12,6 +12,8 @@ sglang until upstream calls a hook.
   (observation only: it changes nothing a worker does).
 * ``NixlKVManager.update_status`` (AROUND): a sender opened for a room the decode
   already aborted starts Failed instead of waiting 300 s in Bootstrapping.
+* ``NixlKVSender.__init__`` (AFTER): the hardened thread knows which rooms a live
+  sender holds, so an aborted room nobody holds is dropped instead of leaking.
 * ``Scheduler.handle_generate_request`` and ``Scheduler.maybe_send_health_check_signal``
   (AROUND): while :func:`~dsv4_sm120.disagg.liveness.problems` is non-empty,
   health-check requests get no answer, so ``/health`` fails.
@@ -28,6 +30,7 @@ from dsv4_sm120.settings import Settings, load
 logger = logging.getLogger("dsv4_sm120.disagg")
 
 NIXL_MANAGER = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
+NIXL_SENDER_INIT = "sglang.srt.disaggregation.nixl.conn.NixlKVSender.__init__"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _HEALTH_LOG_EVERY_S = 10.0
 _last_health_log = [0.0]
@@ -75,9 +78,18 @@ def keep_aborted_rooms_dead(original, mgr, bootstrap_room, status):
 
     if status not in (KVPoll.Bootstrapping, KVPoll.WaitingForInput):
         return original(mgr, bootstrap_room, status)
-    mgr.record_failure(bootstrap_room, "Aborted by decode-side abort notification before the prefill opened the room.")
+    mgr.record_failure(bootstrap_room, boot.tombstones.reason(bootstrap_room)
+                       or "Aborted by decode-side abort notification before the prefill opened the room.")
     original(mgr, bootstrap_room, status)
     return original(mgr, bootstrap_room, KVPoll.Failed)
+
+
+def track_sender(result, sender, *args, **kwargs):
+    """AFTER ``NixlKVSender.__init__``: the hardened thread learns which rooms a live sender holds."""
+    boot = getattr(sender.kv_mgr, "_dsv4_bootstrap", None)
+    if boot is not None:
+        boot.senders[sender.bootstrap_room] = sender
+    return result
 
 
 def _unhealthy() -> list[str]:
@@ -117,5 +129,6 @@ def register(cfg: Settings) -> None:
     hook(f"{NIXL_MANAGER}._start_bootstrap_thread", start_bootstrap_thread)
     hook(f"{NIXL_MANAGER}.transfer_worker", watch_transfer_worker)
     hook(f"{NIXL_MANAGER}.update_status", keep_aborted_rooms_dead)
+    hook(NIXL_SENDER_INIT, track_sender)
     hook(f"{SCHEDULER}.handle_generate_request", gate_health_request)
     hook(f"{SCHEDULER}.maybe_send_health_check_signal", gate_health_signal)

@@ -34,20 +34,28 @@ class Tombstones:
         self.ttl_s = ttl_s
         self._clock = clock
         self._expiry: OrderedDict[int, float] = OrderedDict()
+        self._reasons: dict[int, str] = {}  # why a room was buried, when it was not a plain ABORT
         self._lock = threading.Lock()
         self.evicted = 0
 
-    def bury(self, room: int) -> None:
-        """Remember ``room`` as aborted for ``ttl_s`` from now."""
+    def bury(self, room: int, reason: str | None = None) -> None:
+        """Remember ``room`` as aborted (or failed, for ``reason``) for ``ttl_s`` from now."""
         metrics.inc("nixl_rooms_tombstoned_total")
         with self._lock:
             now = self._clock()
             self._expiry.pop(room, None)
             self._expiry[room] = now + self.ttl_s
+            if reason is not None:
+                self._reasons[room] = reason
             self._drop_expired(now)
             while len(self._expiry) > self.capacity:
-                self._expiry.popitem(last=False)
+                self._reasons.pop(self._expiry.popitem(last=False)[0], None)
                 self.evicted += 1
+
+    def reason(self, room: int) -> str | None:
+        """Why ``room`` was buried, if it was failed rather than aborted."""
+        with self._lock:
+            return self._reasons.get(room) if room in self._expiry else None
 
     def __contains__(self, room: object) -> bool:
         with self._lock:
@@ -56,6 +64,7 @@ class Tombstones:
                 return False
             if expiry <= self._clock():
                 del self._expiry[room]  # type: ignore[arg-type]
+                self._reasons.pop(room, None)  # type: ignore[arg-type]
                 return False
             return True
 
@@ -71,3 +80,4 @@ class Tombstones:
             if expiry > now:
                 return
             del self._expiry[room]
+            self._reasons.pop(room, None)
