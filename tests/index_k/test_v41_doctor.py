@@ -52,11 +52,11 @@ def test_v4_is_served_with_bf16_keys(paths, capsys, monkeypatch):
 
 def test_unreadable_checkpoint_says_what_to_pass(tmp_path, capsys):
     code, report = _doctor(capsys, "--model-path", str(tmp_path / "missing"))
-    assert code == 1
-    text = cli.main(["doctor", "--model-path", str(tmp_path / "missing")]), capsys.readouterr().out
-    assert "config.json" in text[1] and "FAIL" in text[1]
+    assert code == 1 and "served_by_model_impl_dsv4" not in report["model"]
+    assert cli.main(["doctor", "--model-path", str(tmp_path / "missing")]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "config.json" in out and "Hugging Face model id" in out
 
 
 def test_without_model_path_there_is_no_model_section(capsys):
-    code, report = _doctor(capsys)
-    assert "model" not in report
+    assert "model" not in _doctor(capsys)[1]

@@ -276,3 +276,17 @@ def test_fp8_route_is_upstream_on_v41(v41):
     pools, up_pools = _host_pools(stack), _host_pools(up_stack)
     assert {n: (type(p), getattr(p, "item_bytes", None)) for n, p in pools.items()} == {
         n: (type(p), getattr(p, "item_bytes", None)) for n, p in up_pools.items()}
+
+
+def test_fp8_route_has_no_integrity_mode_on_v41(v41):
+    """With fp8 keys the checksum switch finds no bf16 page to check, on HiCache or PD, as upstream."""
+    from sglang.srt.disaggregation.base.conn import KVArgs
+
+    from dsv4_sm120.index_k.pd_integrity import index_k_buffers
+
+    result, stack, _ = v41("dsv4", "fp8", hicache=True, checksum=True)
+    assert not any(getattr(p, "index_k_ledger", None) for p in _host_pools(stack).values())
+    args = KVArgs()
+    _, _, args.kv_item_lens = result.token_to_kv_pool.get_contiguous_buf_infos()
+    args.kv_layout = result.token_to_kv_pool.pd_kv_layout()
+    assert index_k_buffers(args) == []
