@@ -233,16 +233,17 @@ def prefill_section(peer, pool, gen, gemm_tflops):
     return rows_out
 
 
-PREFILL_SWEEP = [dict(rows_per_program=r, block_k=bk, num_warps=nw, num_stages=ns)
-                 for r in (1, 2, 4) for bk in (64, 128) for nw in (4, 8) for ns in (2, 3)]
-DECODE_SWEEP = [dict(block_k=bk, min_tiles=m, num_warps=nw, num_stages=ns)
-                for bk in (64, 128) for m in (2, 4) for nw in (4, 8) for ns in (2, 3, 4)]
+PREFILL_SWEEP = [dict(pair_rows=p, block_k=bk, num_warps=nw, num_stages=ns)
+                 for p in (False, True) for bk in (64, 128) for nw in (4, 8) for ns in (2, 3)]
+DECODE_SWEEP = [dict(splits=sp, min_tiles=1, num_warps=nw, num_stages=ns)
+                for sp in (None, 16, 32, 64, 128, 256) for nw in (4,) for ns in (2, 3, 4)]
+DECODE_SWEEP_SHAPES = ((8, 32768), (64, 32768), (256, 32768))
 
 
 def sweep_section(pool, gen):
-    """Launch configurations of our kernel: prefill dense 8192 and decode 64 x 32768 at the capture width."""
+    """Launch configurations of our kernel: prefill dense 8192, decode at the capture width."""
     n = SIZES["sweep_n"]
-    out = {"prefill_dense": [], "decode_64x32k_wide": []}
+    out = {"prefill_dense": [], "decode_wide": []}
     q, w, sl, pt = case(pool.shape[0], n, [n] * n, n, gen, shared=True)
     buf = torch.empty((n, n), device=DEV)
     for cfg in PREFILL_SWEEP:
@@ -252,16 +253,18 @@ def sweep_section(pool, gen):
         except Exception as exc:  # e.g. out of shared memory for a large tile: recorded, not fatal
             out["prefill_dense"].append({**cfg, "error": f"{type(exc).__name__}: {str(exc)[-300:]}"})
         print("sweep prefill", out["prefill_dense"][-1], flush=True)
-    b, live, width = (64, 32768, SIZES["width"]) if not g._DRY["on"] else (2, 256, SIZES["width"])
-    q, w, sl, pt = case(pool.shape[0], b, [live] * b, width, gen)
-    buf = torch.empty((b, width), device=DEV)
-    for cfg in DECODE_SWEEP:
-        try:
-            ms = g.median_ms(lambda: bf16_paged_mqa_logits(q, pool, w, sl, pt, width, out=buf, **cfg))
-            out["decode_64x32k_wide"].append({**cfg, "ms": ms})
-        except Exception as exc:
-            out["decode_64x32k_wide"].append({**cfg, "error": f"{type(exc).__name__}: {str(exc)[-300:]}"})
-        print("sweep decode", out["decode_64x32k_wide"][-1], flush=True)
+    shapes = DECODE_SWEEP_SHAPES if not g._DRY["on"] else ((2, 256),)
+    for b, live in shapes:
+        width = SIZES["width"]
+        q, w, sl, pt = case(pool.shape[0], b, [live] * b, width, gen)
+        buf = torch.empty((b, width), device=DEV)
+        for cfg in DECODE_SWEEP:
+            try:
+                ms = g.median_ms(lambda: bf16_paged_mqa_logits(q, pool, w, sl, pt, width, out=buf, **cfg))
+                out["decode_wide"].append({"B": b, "live": live, **cfg, "ms": ms})
+            except Exception as exc:
+                out["decode_wide"].append({"B": b, "live": live, **cfg, "error": f"{type(exc).__name__}: {str(exc)[-300:]}"})
+            print("sweep decode", out["decode_wide"][-1], flush=True)
     return out
 
 

@@ -238,11 +238,10 @@ def test_page_copy_kernel_matches_ref(kern):
         pc.copy_pages(src, a, si, di)
 
 
-@pytest.mark.parametrize("rows_per_program", [2, 4])
-def test_logits_row_blocks_shared_and_foreign_pages(kern, rows_per_program):
-    # rows 0-3 share one page table (one request, causal lengths); rows 4-6 are other requests
-    lens = [130, 131, 132, 133, 70, 513, 5]
+def test_logits_row_pairs_shared_and_foreign_pages(kern):
+    # rows 0-3 share one page table (one request, causal lengths); rows 4-6 are other requests (odd count)
+    lens = [130, 131, 133, 132, 70, 513, 5]
     q, w, pages, sl, pt = logits_case(lens, 16, _gen(12))
     pt[1:4] = pt[0]
-    out, ref = _logits_both(kern, q, w, pages, sl, pt, 576, rows_per_program=rows_per_program)
+    out, ref = _logits_both(kern, q, w, pages, sl, pt, 576, pair_rows=True)
     _check_logits(out, ref, lens)
