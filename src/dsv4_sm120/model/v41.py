@@ -9,8 +9,8 @@ indexers (``DeepseekV41Indexer``), V4.1-only KV layouts and V4.1-only forward
 paths, while its C4 layers still build upstream's ``C4Indexer``, which the
 package swaps to bf16.
 
-A piece counts as holding only when a test shows it on V4.1's layouts
-(``tests/index_k/test_v41_*.py``). The bf16 C4 indexer inside a V4.1 forward
+A piece counts as holding only when a test shows it on V4.1's layouts or on the
+model built from a V4.1 config (``tests/index_k/test_v41_*.py``). The bf16 C4 indexer inside a V4.1 forward
 cannot be shown on this project's machines, so bf16 keys on a V4.1 checkpoint
 are refused at model load. With ``DSV4_SM120_INDEX_K_DTYPE=fp8`` the package is
 upstream for V4.1 too (same model, pools, plan, PD layout and HiCache stack,
@@ -48,7 +48,8 @@ PIECES: tuple[Piece, ...] = (
     Piece("integrity mode labels only bf16 C4 pages (CUDA layouts)", True,
           "test_v41_layouts: only the C4 buffers are checksummed; c1/c2 items are 17408/8704 B"),
     Piece("model class swaps C4 indexers only", True,
-          "test_v41_layouts: DeepseekV41Indexer keeps its class (instances built without weights)"),
+          "test_v41_model_build: upstream's __init__, no weights: C4Indexer becomes BF16C4Indexer; "
+          "DeepseekV41Indexer and every parameter stay upstream's"),
     Piece("V4.1 KV layouts V41 / V41_NEW / V41_FP4", False,
           "upstream builds them only on SM100/SM103 or gfx950 GPUs, none of which is here"),
     Piece("PD integrity mode on HIP's split fp4 index pools", False,
