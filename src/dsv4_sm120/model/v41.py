@@ -10,9 +10,9 @@ paths, while its C4 layers still build upstream's ``C4Indexer``, which the
 package swaps to bf16.
 
 A piece counts as holding only when a test shows it on V4.1's layouts or on the
-model built from a V4.1 config (``tests/index_k/test_v41_*.py``). The bf16 C4 indexer inside a V4.1 forward
-cannot be shown on this project's machines, so bf16 keys on a V4.1 checkpoint
-are refused at model load. With ``DSV4_SM120_INDEX_K_DTYPE=fp8`` the package is
+model built from a V4.1 config (``tests/index_k/test_v41_*.py``). The bf16 C4
+indexer inside a V4.1 forward cannot be shown on this project's machines, so
+bf16 keys on a V4.1 checkpoint are refused at model load. With ``DSV4_SM120_INDEX_K_DTYPE=fp8`` the package is
 upstream for V4.1 too (same model, pools, plan, PD layout and HiCache stack,
 tested), so that route stays open.
 """
