@@ -237,11 +237,3 @@ def test_page_copy_kernel_matches_ref(kern):
     with pytest.raises(ValueError, match="pinned"):
         pc.copy_pages(src, a, si, di)
 
-
-def test_logits_row_pairs_shared_and_foreign_pages(kern):
-    # rows 0-3 share one page table (one request, causal lengths); rows 4-6 are other requests (odd count)
-    lens = [130, 131, 133, 132, 70, 513, 5]
-    q, w, pages, sl, pt = logits_case(lens, 16, _gen(12))
-    pt[1:4] = pt[0]
-    out, ref = _logits_both(kern, q, w, pages, sl, pt, 576, pair_rows=True)
-    _check_logits(out, ref, lens)

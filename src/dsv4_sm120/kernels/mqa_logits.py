@@ -37,17 +37,6 @@ from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, check_pages
 DEFAULT_BLOCK_K = 64
 TARGET_PROGRAMS = 2048  # ~15 programs per SM: enough loads in flight for decode, one pass per row for prefill
 MIN_TILES_PER_PROGRAM = 4  # a program that scores fewer key tiles spends most of its time loading q
-PAIR_ROWS_FROM = None  # pair rows by default from this many rows on (None: never)
-
-
-@triton.jit
-def _score_tile(k, q_t, w, FP32_DOT: tl.constexpr):
-    """sum_h w[h] * relu(k . q_t[:, h]) for a key tile k [BLOCK_K, D] and one row's q_t [D, H]."""
-    if FP32_DOT:  # the CPU interpreter's bf16 dot is wrong; exact bf16 products in fp32 agree
-        s = tl.dot(k.to(tl.float32), q_t.to(tl.float32), input_precision="ieee")
-    else:
-        s = tl.dot(k, q_t)  # [BLOCK_K, H] fp32 accumulate
-    return tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)
 
 
 @triton.jit
@@ -79,43 +68,13 @@ def _logits_kernel(
             page = tl.load(pt_row + n // PAGE, mask=live, other=0).to(tl.int64)
             k = tl.load(kv_ptr + (page * (PAGE * D) + (n % PAGE) * D)[:, None] + dims[None, :],
                         mask=live[:, None], other=0.0)  # [BLOCK_K, D]
-            tl.store(out_row + n, _score_tile(k, q_t, w, FP32_DOT), mask=live)
+            if FP32_DOT:  # the CPU interpreter's bf16 dot is wrong; exact bf16 products in fp32 agree
+                s = tl.dot(k.to(tl.float32), q_t.to(tl.float32), input_precision="ieee")
+            else:
+                s = tl.dot(k, q_t)  # [BLOCK_K, H] fp32 accumulate
+            s = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)
+            tl.store(out_row + n, s, mask=live)
 
-
-@triton.jit
-def _row_pair_kernel(
-    q_ptr, w_ptr, kv_ptr, seq_ptr, pt_ptr, out_ptr,
-    stride_q_row, stride_q_head, stride_w_row, stride_pt_row, stride_out_row,
-    n_rows, max_seq_len,
-    H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
-):
-    """Two consecutive query rows per program: a key tile both read from the same pages is loaded once."""
-    ra = tl.program_id(0) * 2
-    rb = tl.minimum(ra + 1, n_rows - 1)  # an odd last row is paired with itself and stored once
-    ra64, rb64 = ra.to(tl.int64), rb.to(tl.int64)
-    seq_a = tl.minimum(tl.load(seq_ptr + ra), max_seq_len)
-    seq_b = tl.where(ra + 1 < n_rows, tl.minimum(tl.load(seq_ptr + rb), max_seq_len), 0)
-    heads = tl.arange(0, H)
-    dims = tl.arange(0, D)
-    q_a = tl.load(q_ptr + ra64 * stride_q_row + heads[None, :] * stride_q_head + dims[:, None])  # [D, H]
-    q_b = tl.load(q_ptr + rb64 * stride_q_row + heads[None, :] * stride_q_head + dims[:, None])
-    w_a = tl.load(w_ptr + ra64 * stride_w_row + heads).to(tl.float32)
-    w_b = tl.load(w_ptr + rb64 * stride_w_row + heads).to(tl.float32)
-    offs = tl.arange(0, BLOCK_K)
-    for t in range(0, tl.cdiv(tl.maximum(seq_a, seq_b), BLOCK_K)):
-        n = t * BLOCK_K + offs
-        live_a, live_b = n < seq_a, n < seq_b
-        page_a = tl.load(pt_ptr + ra64 * stride_pt_row + n // PAGE, mask=live_a, other=0).to(tl.int64)
-        page_b = tl.load(pt_ptr + rb64 * stride_pt_row + n // PAGE, mask=live_b, other=0).to(tl.int64)
-        shared = tl.sum((live_a & live_b & (page_a != page_b)).to(tl.int32), axis=0) == 0
-        page_a = tl.where(live_a, page_a, page_b)  # a's tail past its length reads b's keys (b is longer)
-        k = tl.load(kv_ptr + (page_a * (PAGE * D) + (n % PAGE) * D)[:, None] + dims[None, :],
-                    mask=(live_a | live_b)[:, None], other=0.0)  # [BLOCK_K, D]
-        tl.store(out_ptr + ra64 * stride_out_row + n, _score_tile(k, q_a, w_a, FP32_DOT), mask=live_a)
-        if not shared:  # the rows belong to different requests here: b reads its own keys
-            k = tl.load(kv_ptr + (page_b * (PAGE * D) + (n % PAGE) * D)[:, None] + dims[None, :],
-                        mask=live_b[:, None], other=0.0)
-        tl.store(out_ptr + rb64 * stride_out_row + n, _score_tile(k, q_b, w_b, FP32_DOT), mask=live_b)
 
 def _normalize(q, weights, seq_lens, page_table):
     if q.dim() == 4:  # upstream passes [B, next_n=1, H, D]
@@ -154,7 +113,6 @@ def bf16_paged_mqa_logits(
     block_k: int = DEFAULT_BLOCK_K,
     splits: int | None = None,
     min_tiles: int = MIN_TILES_PER_PROGRAM,
-    pair_rows: bool | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
@@ -162,8 +120,7 @@ def bf16_paged_mqa_logits(
 
     Only ``[0, min(seq_lens[t], max_seq_len))`` of row t is written. ``splits`` programs share a row
     (default: enough programs to fill the GPU, fewer when the width has too few tiles), each taking at
-    least ``min_tiles`` key tiles of the row's live length. ``pair_rows`` scores two consecutive rows per
-    program instead, loading each key tile they share once (prefill: a request's rows share its keys).
+    least ``min_tiles`` key tiles of the row's live length.
     """
     check_pages(pages)
     q, weights, seq_lens, page_table = _normalize(q, weights, seq_lens, page_table)
@@ -173,17 +130,6 @@ def bf16_paged_mqa_logits(
     elif out.dtype != torch.float32 or tuple(out.shape) != (rows, max_seq_len) or out.stride(1) != 1:
         raise ValueError(f"out must be fp32 [{rows}, {max_seq_len}] with unit inner stride")
     if rows == 0 or max_seq_len == 0:
-        return out
-    if pair_rows is None:
-        pair_rows = PAIR_ROWS_FROM is not None and rows >= PAIR_ROWS_FROM
-    if pair_rows:
-        _row_pair_kernel[(triton.cdiv(rows, 2),)](
-            q, weights, pages, seq_lens, page_table, out,
-            q.stride(0), q.stride(1), weights.stride(0), page_table.stride(0), out.stride(0),
-            rows, max_seq_len,
-            H=q.shape[1], D=HEAD_DIM, PAGE=PAGE_SLOTS, BLOCK_K=block_k, FP32_DOT=interpreting(),
-            num_warps=num_warps, num_stages=num_stages,
-        )
         return out
     if splits is None:  # split rows only when there are too few to fill the GPU; never past the width
         splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, rows), triton.cdiv(max_seq_len, block_k * min_tiles)))
