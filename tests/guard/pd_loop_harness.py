@@ -86,7 +86,7 @@ class ReqPlan:
 class Injection:
     at: int  # the first iteration it may fire; it fires the first time its point has something to act on
     rank: int
-    kind: str  # "abort" | "complete" | "empty" | "batch" | "skip"
+    kind: str  # "abort" | "complete" | "empty" | "batch" | "skip" | "chunk"
     rid: str | None = None  # the request it acts on; None: the ``pick``-th candidate at that point
     point: str = "broadcast"
     pick: int = 0
@@ -221,7 +221,7 @@ class ScriptedPoller:
 class FakeBatch:
     """What upstream's batch builder returns, reduced to what the loops read."""
 
-    def __init__(self, reqs, mode: str = "extend"):
+    def __init__(self, reqs, mode: str = "extend", chunked=None):
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
         self.reqs = list(reqs)
@@ -229,12 +229,14 @@ class FakeBatch:
         self.forward_mode = ForwardMode.EXTEND if mode == "extend" else ForwardMode.DECODE
         self.prefill_chunk_processed = False
         self.inner_idle_batch = None
-        self.chunked_req = None
+        self.chunked_req = chunked  # a request of this batch whose prefill is split: half its tokens this time
         self.batch_is_full = False
 
     @property
     def extend_num_tokens(self):
-        return sum(len(r.origin_input_ids) for r in self.reqs) if self.mode == "extend" else None
+        if self.mode != "extend":
+            return None
+        return sum(len(r.origin_input_ids) // (2 if r is self.chunked_req else 1) for r in self.reqs)
 
     @property
     def seq_lens_sum(self):
@@ -247,7 +249,7 @@ class FakeBatch:
         return len(self.reqs)
 
     def copy(self):
-        return FakeBatch(self.reqs, self.mode)
+        return FakeBatch(self.reqs, self.mode, self.chunked_req)
 
     def filter_batch(self, reqs_to_exclude=None, keep_indices=None, **_):
         if keep_indices is None:
@@ -474,9 +476,9 @@ class Harness:
         self._inject("broadcast")
 
     # ---- injected rank-local divergences ------------------------------------------------------
-    def _inject(self, point: str, candidates: list | None = None):
-        """Run this rank's due injections at ``point``; returns the item a "skip" leaves out, if any."""
-        skipped = None
+    def _inject(self, point: str, candidates: list | None = None) -> dict:
+        """Run this rank's due injections at ``point``; returns {"skip"|"chunk": the candidate picked}."""
+        picked = {}
         for n, inj in enumerate(self.sc.injections):
             if inj.point != point or inj.rank != self.rank or n in self.fired or self.iteration < inj.at:
                 continue
@@ -486,15 +488,16 @@ class Harness:
                 acted = True
             elif inj.kind == "empty":
                 acted = self._empty_one_queue()
-            elif inj.kind == "skip":
+            elif inj.kind in ("skip", "chunk"):  # batch formation decides otherwise on this rank
                 pool = [x for x in candidates or [] if not x.finished()]
-                skipped = pool[inj.pick % len(pool)] if pool else None
-                acted = skipped is not None
+                if pool:
+                    picked[inj.kind] = pool[inj.pick % len(pool)]
+                acted = bool(pool)
             else:
                 acted = self._local(inj, point, candidates)
             if acted:
                 self.fired.add(n)
-        return skipped
+        return picked
 
     def _queues(self):
         s = self.s
@@ -576,15 +579,19 @@ class Harness:
         """For ``get_new_batch_prefill``: batch every request whose bootstrap is resolved."""
         s = self.s
         ready = [r for r in s.waiting_queue if not r.pending_bootstrap]
-        skipped = self._inject("batch_formation", ready)
-        ready = [r for r in ready if r is not skipped and r in s.waiting_queue]  # an "abort" left the queue
+        picked = self._inject("batch_formation", ready)
+        ready = [r for r in ready if r is not picked.get("skip") and r in s.waiting_queue]  # an "abort" left
         s.waiting_queue = [r for r in s.waiting_queue if r not in ready]
-        return SimpleNamespace(batch_to_run=FakeBatch(ready) if ready else None, running_batch=running_batch)
+        if not ready:
+            return SimpleNamespace(batch_to_run=None, running_batch=running_batch)
+        batch = FakeBatch(ready, chunked=picked.get("chunk"))
+        s.chunked_req = batch.chunked_req or s.chunked_req  # as upstream: the formation names the chunked request
+        return SimpleNamespace(batch_to_run=batch, running_batch=running_batch)
 
     def _prebuilt_decode_batch(self, running_batch):
         """For ``get_new_prebuilt_batch``: every request whose KV arrived joins as a decode request."""
         s = self.s
-        skipped = self._inject("batch_formation", s.waiting_queue)
+        skipped = self._inject("batch_formation", s.waiting_queue).get("skip")
         joining = [r for r in s.waiting_queue if r is not skipped]
         s.waiting_queue = [r for r in s.waiting_queue if r is skipped]
         return FakeBatch(joining, "decode") if joining else None

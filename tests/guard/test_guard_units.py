@@ -28,6 +28,27 @@ def test_plan_keeps_what_every_rank_holds_in_rank0_order_and_names_the_holders()
     assert p.ipc["b"] == "w1"
 
 
+def test_plan_without_keeping_common_requests_retires_every_one_where_held():
+    gathered = [{"queues": {"running": ["a", "b"]}, "ipc": {}}, {"queues": {"running": ["a"]}, "ipc": {}}]
+    p = reconcile.plan(gathered, keep_common=False)
+    assert p.keep == {"running": []}
+    assert p.orphans == {"running": {"a": [0, 1], "b": [0]}}
+
+
+def test_batch_vector_changes_with_everything_that_shapes_the_forward():
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    def batch(rids, mode=ForwardMode.EXTEND, extend=8, seq=8):
+        return SimpleNamespace(reqs=[SimpleNamespace(rid=r) for r in rids], forward_mode=mode,
+                               extend_num_tokens=extend, seq_lens_sum=seq)
+
+    base = snapshot.batch_vector(batch(["a", "b"]))
+    assert len(base) == len(snapshot.BATCH_FIELDS) and snapshot.batch_vector(None) == [0] * len(base)
+    for other in (batch(["b", "a"]), batch(["a"]), batch(["a", "b"], ForwardMode.DECODE), batch(["a", "b"], extend=4),
+                  batch(["a", "b"], seq=9)):
+        assert snapshot.batch_vector(other) != base
+
+
 def test_reason_says_what_happened_and_that_a_retry_is_safe():
     text = reconcile.reason("decode", "transfer", [2, 3], 4)
     assert "4 tensor-parallel ranks" in text and "transfer queue" in text and "[2, 3]" in text

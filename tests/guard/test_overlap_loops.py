@@ -136,6 +136,20 @@ def test_every_injection_point_is_reconciled(loop):
         assert all(r.counters["reconciled"] >= 1 and r.counters["fail_fasts"] == 0 for r in res[i]), (case, res[i])
 
 
+def test_a_chunked_request_of_a_disagreeing_batch_is_aborted():
+    """One rank alone chunks a request of its batch: no rank runs the batch, the chunked request is
+    aborted on every rank (its earlier chunks would exist only through it), the others go back to
+    the waiting queue, are formed again and complete."""
+    res = H.run_group(2, [(H.at_point("prefill", "batch_formation", "chunk"), "patched")], timeout_s=20, wall_s=120)
+    _check_completed(res, 2)
+    per_rank = res[-4]
+    assert per_rank[1].injected == 1
+    outcomes = per_rank[0].outcomes
+    aborted = [rid for rid, (kind, _) in outcomes.items() if kind == "abort"]
+    assert len(aborted) == 1 and GUARD_MSG in outcomes[aborted[0]][1], outcomes
+    assert sum(kind == "done" for kind, _ in outcomes.values()) == 3
+
+
 @pytest.mark.parametrize("world,n", [(2, 16), (4, 6)])
 @pytest.mark.parametrize("loop", ["prefill", "decode"])
 def test_randomized_scenarios_never_hang(loop, world, n):
