@@ -65,6 +65,8 @@ MANIFEST: tuple[Touch, ...] = (
           "Top-k v2 plan for a row chunk of the bf16 indexer."),
     Touch("sglang.srt.layers.attention.dsv4.indexer.get_global_indexer_capturer", "calls", "model",
           "Indexer top-k capture keeps working with bf16 keys."),
+    Touch("sglang.srt.runtime_context.get_memory", "calls", "model",
+          "The model class reads --enable-hisparse at build and refuses it with bf16 keys."),
     Touch("sglang.kernels.ops.attention.dsv4.compress.compress_forward", "calls", "kernels",
           "Upstream's C4 compression runs first; the bf16 store kernel replaces only norm/rope/hadamard/store."),
     Touch("sglang.srt.layers.attention.dsv4.compressor_v2.is_overlap_compress", "calls", "kernels",
@@ -79,6 +81,12 @@ MANIFEST: tuple[Touch, ...] = (
         "after",
         "metrics",
         "Creates the sglang:dsv4_* collectors in each scheduler process when --enable-metrics is on.",
+    ),
+    Touch(
+        "sglang.srt.runtime_context.get_parallel",
+        "calls",
+        "metrics",
+        "The scheduler process's TP rank, the tp_rank label of every sglang:dsv4_* series.",
     ),
     # --- disagg: NIXL bootstrap hardening ---
     Touch(
