@@ -145,7 +145,9 @@ def _sample_forever() -> None:
 def enable_for_scheduler(result, scheduler, *args, **kwargs):
     """AFTER ``Scheduler.init_metrics_collector``: metrics on in this scheduler process when sglang's are."""
     if getattr(scheduler.server_args, "enable_metrics", False):
-        enable(getattr(scheduler, "tp_rank", 0))
+        from sglang.srt.runtime_context import get_parallel  # the pin's schedulers keep no tp_rank attribute
+
+        enable(get_parallel().tp_rank)
     return result
 
 

@@ -34,10 +34,10 @@ def health(cluster) -> dict[str, int]:
     return {p.name: http("GET", p.url + "/health", timeout=30)[0] for p in procs}
 
 
-def leftovers(cluster) -> dict[str, float]:
-    """Every IDLE_ZERO figure that is not 0 now, per server (``name@server``)."""
+def leftovers(cluster, only=None) -> dict[str, float]:
+    """Every IDLE_ZERO figure that is not 0 now, per server (``name@server``); ``only``: those servers."""
     out = {}
-    for proc in (cluster.prefill, cluster.decode):
+    for proc in only or (cluster.prefill, cluster.decode):
         samples = scrape.metrics(proc.url)
         present = scrape.names(samples)
         for name in IDLE_ZERO:
@@ -46,13 +46,13 @@ def leftovers(cluster) -> dict[str, float]:
     return out
 
 
-def settle(cluster, timeout: float = 90.0) -> dict[str, float]:
+def settle(cluster, timeout: float = 90.0, only=None) -> dict[str, float]:
     """Wait until nothing is left (or ``timeout``); what is still left then (empty: clean)."""
     deadline = time.monotonic() + timeout
-    left = leftovers(cluster)
+    left = leftovers(cluster, only)
     while left and time.monotonic() < deadline:
         time.sleep(2.0)
-        left = leftovers(cluster)
+        left = leftovers(cluster, only)
     return left
 
 

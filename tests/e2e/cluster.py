@@ -81,7 +81,8 @@ def start_single(env: E2EEnv, model: Path, log_dir: Path, tp: int = 1, switches:
 
 
 def start_pd(env: E2EEnv, model: Path, log_dir: Path, tp: int = 1, switches: dict | None = None,
-             extra_prefill: list | None = None, extra_decode: list | None = None, tag: str = "") -> Cluster:
+             extra_prefill: list | None = None, extra_decode: list | None = None, router_args: list | None = None,
+             tag: str = "") -> Cluster:
     """Prefill and decode over NIXL, both at ``tp``, and the PD router in front; all stopped on any failure."""
     servers = ServerSet()
     boot = free_port()
@@ -95,7 +96,8 @@ def start_pd(env: E2EEnv, model: Path, log_dir: Path, tp: int = 1, switches: dic
     router = Proc(f"router{tag}", [str(env.python), "-m", "sglang_router.launch_router", "--pd-disaggregation",
                                    "--prefill", prefill.url, str(boot), "--decode", decode.url,
                                    "--host", LOOPBACK, "--port", str(router_port),
-                                   "--prometheus-host", LOOPBACK, "--prometheus-port", str(free_port())],
+                                   "--prometheus-host", LOOPBACK, "--prometheus-port", str(free_port()),
+                                   *(router_args or [])],
                   log_dir / f"router{tag}.log", f"http://{LOOPBACK}:{router_port}")
     try:
         cpu_env = server_env(env, tp, switches)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,11 +24,30 @@ from pathlib import Path
 LOOPBACK = "127.0.0.1"
 
 
+_HANDED_OUT: set[int] = set()
+_PORTS = random.Random(os.getpid())
+
+
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+    """A TCP port on loopback that nothing listens on now, below Linux's ephemeral range.
+
+    Ports the OS hands out for outgoing connections (32768-60999) can be taken between
+    our check and the server's bind (seen: a gloo TCPStore failing with EADDRINUSE), and
+    sglang opens some listeners next to the ones it is given: so each port comes from
+    20000-32000, at least 16 away from every port this session handed out before.
+    """
+    for _ in range(1000):
+        port = _PORTS.randrange(20000, 32000)
+        if any(abs(port - p) < 16 for p in _HANDED_OUT):
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free loopback port in 20000-32000")
 
 
 def http(method: str, url: str, body: dict | bytes | None = None, timeout: float = 30.0) -> tuple[int, bytes]:
@@ -59,6 +79,7 @@ class Proc:
     log: Path
     url: str
     popen: subprocess.Popen | None = None
+    env: dict | None = None
 
     @property
     def pid(self) -> int:
@@ -67,7 +88,10 @@ class Proc:
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
-    def start(self, env: dict) -> None:
+    def start(self, env: dict | None = None) -> None:
+        """Start (or start again, with the environment of the first start)."""
+        self.env = env if env is not None else self.env
+        env = self.env
         self.log.parent.mkdir(parents=True, exist_ok=True)
         out = open(self.log, "ab")
         try:

@@ -61,12 +61,14 @@ def test_abort_storm_through_the_router_recovers_and_leaks_nothing(pd, e2e_env, 
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(1800)  # a set of its own to start: minutes on a loaded 2-core machine
 def test_abort_storm_on_the_pin_bootstrap_thread(clusters, e2e_env, tmp_path, record):
     off = clusters("pd-tp1-hardening-off", switches={"DSV4_SM120_NIXL_HARDENING": "0"}, tag="-hardening-off")
     _run_and_check(e2e_env, off, tmp_path, record, fix="DSV4_SM120_NIXL_HARDENING=0")
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(1800)  # a set of its own to start: minutes on a loaded 2-core machine
 def test_abort_storm_at_tp2(clusters, e2e_env, tmp_path, record):
     tp2 = clusters("pd-tp2", tp=2, tag="-tp2")
     _run_and_check(e2e_env, tp2, tmp_path, record, fix="default")

@@ -65,6 +65,7 @@ def test_hostile_frames_are_refused_counted_and_serving_goes_on(pd, record):
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(1800)  # a set of its own to start: minutes on a loaded 2-core machine
 def test_one_foreign_frame_wedges_the_pin(clusters, record):
     off = clusters("pd-tp1-hardening-off", switches={"DSV4_SM120_NIXL_HARDENING": "0"}, tag="-hardening-off")
     first = burst(off.front, 2, timeout=60)

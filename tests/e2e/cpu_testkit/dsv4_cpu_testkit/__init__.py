@@ -17,6 +17,10 @@ the server runs with ``--device cpu`` and names the upstream code it works aroun
   does without overlap. The overlap loops themselves (the ones dsv4-sm120 patches)
   still run.
 
+``faults`` is not an adapter but the suite's fault injector (``Scheduler.init_disaggregation``
+AFTER, ``Scheduler.process_input_requests`` AROUND): with ``DSV4_E2E_FAULT_DIR`` set, a prefill
+scheduler kills its own NIXL threads, or TP rank 1 forgets a request, on request.
+
 The other adapters are not hooks: ``common_ops`` (beside this package) stands in
 for sgl_kernel's CUDA-built extension, and the e2e fixtures set the environment
 (``SGLANG_USE_CPU_ENGINE=1``, ``SGLANG_NCCL_SO_PATH``, ``SGLANG_CPU_OMP_THREADS_BIND``).
@@ -53,3 +57,9 @@ def register() -> None:
 
     HookRegistry.register(_NIXL_INIT, _host_memory_is_dram, HookType.BEFORE)
     HookRegistry.register(_EARLY_SEND, _early_send_without_cuda_event, HookType.AROUND)
+    from dsv4_cpu_testkit import faults
+
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.init_disaggregation", faults.start_watcher,
+                          HookType.AFTER)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.process_input_requests", faults.drop_on_rank1,
+                          HookType.AROUND)
