@@ -26,7 +26,7 @@ AREA_SECTIONS: tuple[str, ...] = (
 
 SUPPORTED_SM = {
     (9, 0): "sm_90 (Hopper): Triton bf16 indexer kernels; upstream DeepGEMM fp8 paths",
-    (12, 0): "sm_120 (Blackwell RTX PRO): Triton bf16 indexer kernels; no DeepGEMM, upstream uses its torch fp8 fallback",
+    (12, 0): "sm_120 (Blackwell RTX PRO): Triton bf16 indexer kernels; upstream's fp8 indexer runs TileLang there",
 }
 
 

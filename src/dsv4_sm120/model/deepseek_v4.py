@@ -8,10 +8,11 @@ hang off this class and the pools built for it.
 With bf16 index keys (``DSV4_SM120_INDEX_K_DTYPE=bf16``, the default) every C4
 lightning indexer of the model becomes a :class:`BF16C4Indexer`: its keys are
 stored, its queries rotated and its logits scored by the package's Triton
-kernels (``dsv4_sm120.kernels``), which run on sm_120 (no DeepGEMM there) and
-sm_90 alike, against the bf16 pool's ``index_k_pages_bf16``. Upstream's
-compression kernel, metadata and top-k transforms (``--dsa-topk-backend``) are
-used as they are. With ``fp8`` the model is upstream's, indexer included.
+kernels (``dsv4_sm120.kernels``, the same on sm_120 and sm_90) against the bf16
+pool's ``index_k_pages_bf16``. Upstream's compression kernel, metadata and top-k
+transforms (``--dsa-topk-backend``) are used as they are. Features the bf16
+indexer does not carry (hisparse, the fp4 indexer) are refused when the model is
+built. With ``fp8`` the model is upstream's, indexer included.
 """
 
 from __future__ import annotations
