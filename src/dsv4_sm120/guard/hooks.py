@@ -31,8 +31,8 @@ def register(cfg: Settings) -> None:
 
         hook(TARGET, warn_if_unpatched)
         hook(poll_reduce.TARGET, poll_reduce.all_reduce_polls)
-        for target, queue in queue_check.TARGETS.items():
-            hook(target, queue_check.hook_for(queue))
+        for target, (queue, on_queue_object) in queue_check.TARGETS.items():
+            hook(target, queue_check.hook_for(queue, on_queue_object))
         hook(batch_check.PREFILL_TARGET, batch_check.check_prefill_batch)
         hook(batch_check.DECODE_TARGET, batch_check.check_decode_batch)
 

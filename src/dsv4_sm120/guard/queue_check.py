@@ -24,11 +24,12 @@ from dsv4_sm120.guard import loop_guard, snapshot
 PREFILL = "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
 DECODE_PREALLOC = "sglang.srt.disaggregation.decode.DecodePreallocQueue"
 DECODE_TRANSFER = "sglang.srt.disaggregation.decode.DecodeTransferQueue"
+# target -> (queue it polls, whether the method belongs to a decode queue object rather than the scheduler)
 TARGETS = {
-    f"{PREFILL}.resolve_waiting_queue_bootstrap": "waiting",
-    f"{PREFILL}.process_disagg_prefill_inflight_queue": "inflight",
-    f"{DECODE_PREALLOC}._update_handshake_waiters": "prealloc",
-    f"{DECODE_TRANSFER}.pop_transferred": "transfer",
+    f"{PREFILL}.resolve_waiting_queue_bootstrap": ("waiting", False),
+    f"{PREFILL}.process_disagg_prefill_inflight_queue": ("inflight", False),
+    f"{DECODE_PREALLOC}._update_handshake_waiters": ("prealloc", True),
+    f"{DECODE_TRANSFER}.pop_transferred": ("transfer", True),
 }
 
 
@@ -40,11 +41,11 @@ def agree_on_queue(scheduler, name: str) -> None:
                          f"before the {name} queue's poll")
 
 
-def hook_for(name: str):
+def hook_for(name: str, on_queue_object: bool):
     """The AROUND hook for the method that polls queue ``name``."""
 
     def before_poll(original, owner, *args, **kwargs):
-        agree_on_queue(getattr(owner, "scheduler", owner), name)  # decode queues hold their scheduler
+        agree_on_queue(owner.scheduler if on_queue_object else owner, name)
         return original(owner, *args, **kwargs)
 
     before_poll.__name__ = f"agree_before_{name}_poll"
