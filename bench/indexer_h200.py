@@ -233,7 +233,7 @@ def prefill_section(peer, pool, gen, gemm_tflops):
     return rows_out
 
 
-PREFILL_SWEEP = [dict(block_k=bk, num_warps=nw, num_stages=ns) for bk in (64, 128) for nw in (4, 8) for ns in (2, 3)]
+PREFILL_SWEEP = [dict(num_warps=nw, num_stages=ns) for nw in (4, 8) for ns in (2, 3, 4)]
 DECODE_SWEEP = [dict(splits=sp, min_tiles=1, num_warps=nw, num_stages=ns)
                 for sp in (None, 16, 32, 64, 128, 256) for nw in (4,) for ns in (2, 3, 4)]
 DECODE_SWEEP_SHAPES = ((8, 32768), (64, 32768), (256, 32768))

@@ -131,10 +131,10 @@ def _check_logits(out, ref, lens):
     assert topk_sets(out, lens) == topk_sets(ref, lens)
 
 
-@pytest.mark.parametrize("block_k,splits,min_tiles", [(64, 3, 1), (128, 1, 4), (64, None, 4), (64, 40, 1)])
-def test_logits_ragged_lengths_and_page_boundaries(kern, block_k, splits, min_tiles):
+@pytest.mark.parametrize("splits,min_tiles", [(3, 1), (1, 4), (None, 4), (40, 1)])
+def test_logits_ragged_lengths_and_page_boundaries(kern, splits, min_tiles):
     q, w, pages, sl, pt = logits_case(LENS, 16, _gen(5))
-    out, ref = _logits_both(kern, q, w, pages, sl, pt, 704, block_k=block_k, splits=splits, min_tiles=min_tiles)
+    out, ref = _logits_both(kern, q, w, pages, sl, pt, 704, splits=splits, min_tiles=min_tiles)
     _check_logits(out, ref, LENS)
 
 
@@ -157,7 +157,7 @@ def test_logits_width_not_a_multiple_of_the_page(kern):
 def test_logits_64k_plus_keys(kern):
     lens = [65601]
     q, w, pages, sl, pt = logits_case(lens, 16, _gen(7), extra_pages=0)
-    out, ref = _logits_both(kern, q, w, pages, sl, pt, 65601, block_k=128)
+    out, ref = _logits_both(kern, q, w, pages, sl, pt, 65601)
     _check_logits(out, ref, lens)
 
 

@@ -40,13 +40,13 @@ def _store_spec(mode: int) -> KernelSpec:
                        "PAGE": PAGE_SLOTS})
 
 
-def _logits_spec(block_k: int) -> KernelSpec:
+def _logits_spec() -> KernelSpec:
     sig = {"q_ptr": "*bf16", "w_ptr": "*fp32", "kv_ptr": "*bf16", "seq_ptr": "*i32", "pt_ptr": "*i32",
            "out_ptr": "*fp32", "stride_q_row": "i64", "stride_q_head": "i64", "stride_w_row": "i64",
            "stride_pt_row": "i64", "stride_out_row": "i64", "max_seq_len": "i32", "splits": "i32",
            "min_tiles": "i32"}
-    return KernelSpec(f"mqa_logits[block_k={block_k}]", mqa_logits._logits_kernel, sig,
-                      {"H": 64, "D": HEAD_DIM, "PAGE": PAGE_SLOTS, "BLOCK_K": block_k, "FP32_DOT": False})
+    return KernelSpec("mqa_logits", mqa_logits._logits_kernel, sig,
+                      {"H": 64, "D": HEAD_DIM, "PAGE": PAGE_SLOTS, "FP32_DOT": False}, num_stages=2)
 
 
 KERNEL_SPECS = (
@@ -55,7 +55,7 @@ KERNEL_SPECS = (
                {"q_ptr": "*bf16", "out_ptr": "*bf16", "freqs_ptr": "*fp32", "pos_ptr": "*i64", "n_rows": "i32",
                 "n_heads": "i32"},
                {"BLOCK_N": index_query.BLOCK_N, "D": HEAD_DIM, "ROPE": ROPE_DIM}),
-    _logits_spec(64), _logits_spec(128),
+    _logits_spec(),
     KernelSpec("page_checksum", page_checksum._checksum_kernel,
                {"x_ptr": "*i32", "out_ptr": "*i64", "row_words": "i32", "stride_row": "i64"},
                {"BLOCK": page_checksum.BLOCK}, num_warps=page_checksum.NUM_WARPS),

@@ -16,9 +16,11 @@ by it before selecting, sgl-kernel's only loop to it; tests/kernels/
 test_topk_poison.py poisons that region and checks the selection), and
 upstream's own TileLang kernel leaves it unwritten too.
 
-One program scores one query row over a contiguous range of key tiles: each
-key tile [BLOCK_K, 128] is one tensor-core product against the row's 64 heads,
-then relu, weight and a sum over heads in registers. The launch grid depends on
+One program scores one query row over a contiguous range of key tiles: a tile
+is one page, 64 keys x 128 dims, read as one contiguous 16 KiB block from its
+page id (one scalar load per tile, so the address arithmetic is per tile, not
+per element), then one tensor-core product against the row's 64 heads, relu,
+weight and a sum over heads in registers. The launch grid depends on
 the width only through a cap, and the work per program is set on the device
 from the row's live length, so a request with 4k keys is scored the same way
 whatever the width.
@@ -33,8 +35,7 @@ import triton.language as tl
 from dsv4_sm120.kernels._common import interpreting
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, check_pages
 
-# Defaults from the H200 sweep in bench/results/indexer_h200_*.json (decode and prefill agree on them).
-DEFAULT_BLOCK_K = 64
+# Defaults from the H200 sweeps in bench/results/indexer_h200_*.json (decode and prefill agree on them).
 TARGET_PROGRAMS = 2048  # ~15 programs per SM: enough loads in flight for decode, one pass per row for prefill
 MIN_TILES_PER_PROGRAM = 4  # a program that scores fewer key tiles spends most of its time loading q
 
@@ -44,16 +45,16 @@ def _logits_kernel(
     q_ptr, w_ptr, kv_ptr, seq_ptr, pt_ptr, out_ptr,
     stride_q_row, stride_q_head, stride_w_row, stride_pt_row, stride_out_row,
     max_seq_len, splits, min_tiles,
-    H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
     row64 = row.to(tl.int64)
     seq = tl.minimum(tl.load(seq_ptr + row), max_seq_len)
-    live_tiles = tl.cdiv(seq, BLOCK_K)
-    tiles = tl.maximum(tl.cdiv(live_tiles, splits), min_tiles)  # this row's share per program
+    live_pages = tl.cdiv(seq, PAGE)
+    tiles = tl.maximum(tl.cdiv(live_pages, splits), min_tiles)  # this row's share of pages per program
     t0 = split * tiles
-    t1 = tl.minimum(t0 + tiles, live_tiles)
+    t1 = tl.minimum(t0 + tiles, live_pages)
     if t0 < t1:
         heads = tl.arange(0, H)
         dims = tl.arange(0, D)
@@ -61,20 +62,19 @@ def _logits_kernel(
         w = tl.load(w_ptr + row64 * stride_w_row + heads).to(tl.float32)
         out_row = out_ptr + row64 * stride_out_row
         pt_row = pt_ptr + row64 * stride_pt_row
-        offs = tl.arange(0, BLOCK_K)
+        offs = tl.arange(0, PAGE)
+        in_page = offs[:, None] * D + dims[None, :]  # [PAGE, D] element offsets inside one page
         for t in range(t0, t1):
-            n = t * BLOCK_K + offs
+            n = t * PAGE + offs
             live = n < seq
-            page = tl.load(pt_row + n // PAGE, mask=live, other=0).to(tl.int64)
-            k = tl.load(kv_ptr + (page * (PAGE * D) + (n % PAGE) * D)[:, None] + dims[None, :],
-                        mask=live[:, None], other=0.0)  # [BLOCK_K, D]
+            page = tl.load(pt_row + t).to(tl.int64)
+            k = tl.load(kv_ptr + page * (PAGE * D) + in_page, mask=live[:, None], other=0.0)  # [PAGE, D]
             if FP32_DOT:  # the CPU interpreter's bf16 dot is wrong; exact bf16 products in fp32 agree
                 s = tl.dot(k.to(tl.float32), q_t.to(tl.float32), input_precision="ieee")
             else:
-                s = tl.dot(k, q_t)  # [BLOCK_K, H] fp32 accumulate
+                s = tl.dot(k, q_t)  # [PAGE, H] fp32 accumulate
             s = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)
             tl.store(out_row + n, s, mask=live)
-
 
 def _normalize(q, weights, seq_lens, page_table):
     if q.dim() == 4:  # upstream passes [B, next_n=1, H, D]
@@ -110,7 +110,6 @@ def bf16_paged_mqa_logits(
     max_seq_len: int,
     *,
     out: torch.Tensor | None = None,
-    block_k: int = DEFAULT_BLOCK_K,
     splits: int | None = None,
     min_tiles: int = MIN_TILES_PER_PROGRAM,
     num_warps: int = 4,
@@ -119,8 +118,8 @@ def bf16_paged_mqa_logits(
     """fp32 logits [rows, max_seq_len] of bf16 queries against the bf16 index-K pool (see module doc).
 
     Only ``[0, min(seq_lens[t], max_seq_len))`` of row t is written. ``splits`` programs share a row
-    (default: enough programs to fill the GPU, fewer when the width has too few tiles), each taking at
-    least ``min_tiles`` key tiles of the row's live length.
+    (default: enough programs to fill the GPU, fewer when the width has too few pages), each taking at
+    least ``min_tiles`` pages of the row's live length.
     """
     check_pages(pages)
     q, weights, seq_lens, page_table = _normalize(q, weights, seq_lens, page_table)
@@ -132,12 +131,12 @@ def bf16_paged_mqa_logits(
     if rows == 0 or max_seq_len == 0:
         return out
     if splits is None:  # split rows only when there are too few to fill the GPU; never past the width
-        splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, rows), triton.cdiv(max_seq_len, block_k * min_tiles)))
+        splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, rows), triton.cdiv(max_seq_len, PAGE_SLOTS * min_tiles)))
     _logits_kernel[(rows, int(splits))](
         q, weights, pages, seq_lens, page_table, out,
         q.stride(0), q.stride(1), weights.stride(0), page_table.stride(0), out.stride(0),
         max_seq_len, int(splits), int(min_tiles),
-        H=q.shape[1], D=HEAD_DIM, PAGE=PAGE_SLOTS, BLOCK_K=block_k, FP32_DOT=interpreting(),
+        H=q.shape[1], D=HEAD_DIM, PAGE=PAGE_SLOTS, FP32_DOT=interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
