@@ -46,7 +46,7 @@ def _logits_spec() -> KernelSpec:
            "stride_pt_row": "i64", "stride_out_row": "i64", "max_seq_len": "i32", "splits": "i32",
            "min_tiles": "i32"}
     return KernelSpec("mqa_logits", mqa_logits._logits_kernel, sig,
-                      {"H": 64, "D": HEAD_DIM, "PAGE": PAGE_SLOTS, "FP32_DOT": False}, num_stages=2)
+                      {"H": 64, "D": HEAD_DIM, "PAGE": PAGE_SLOTS, "FP32_DOT": False}, num_stages=4)
 
 
 KERNEL_SPECS = (

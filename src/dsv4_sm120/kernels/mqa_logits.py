@@ -35,7 +35,7 @@ import triton.language as tl
 from dsv4_sm120.kernels._common import interpreting
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, check_pages
 
-# Defaults from the H200 sweeps in bench/results/indexer_h200_*.json (decode and prefill agree on them).
+# Defaults (4 warps, 4 stages) from the H200 sweeps in bench/results/indexer_h200_2026-12-01*.json.
 TARGET_PROGRAMS = 2048  # ~15 programs per SM: enough loads in flight for decode, one pass per row for prefill
 MIN_TILES_PER_PROGRAM = 4  # a program that scores fewer key tiles spends most of its time loading q
 
@@ -113,7 +113,7 @@ def bf16_paged_mqa_logits(
     splits: int | None = None,
     min_tiles: int = MIN_TILES_PER_PROGRAM,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 4,
 ) -> torch.Tensor:
     """fp32 logits [rows, max_seq_len] of bf16 queries against the bf16 index-K pool (see module doc).
 
