@@ -123,6 +123,42 @@ def _one_rank_dies(rank: int, world: int, port: int, out) -> None:
     _put_and_exit(out, result)  # skip the fail-fast exit timer and gloo teardown with a dead peer
 
 
+def _ranks_at_different_points(rank: int, world: int, port: int, split_hosts: bool, out) -> None:
+    """Rank 0 reaches the waiting queue's poll site, rank 1 the batch check, as when an upstream
+    branch between them (decode's early return on retracted requests, say) went differently."""
+    from dsv4_sm120.guard import batch_check, consensus, loop_guard, queue_check
+
+    if split_hosts and rank == world - 1:
+        consensus.host_key = lambda: "another-host"  # the gloo channel: equal-size messages still
+    group = _init(rank, world, port)
+    sched = SimpleNamespace(
+        attn_tp_cpu_group=group, attn_cp_cpu_group=None, tp_rank=rank, metrics_reporter=None,
+        disagg_prefill_bootstrap_queue=SimpleNamespace(queue=[]), waiting_queue=[],
+        disagg_prefill_inflight_queue=[], last_batch=None, chunked_req=None, result_queue=[],
+        _deferred_input_requests=[],
+    )
+    loop_guard.check_iteration(sched, "prefill")
+    transport = sched._dsv4_guard.groups[0].transport
+    try:
+        if rank == 0:
+            queue_check.agree_on_queue(sched, "waiting")
+        else:
+            batch_check._checked(sched, SimpleNamespace(batch_to_run=None, running_batch=None), None)
+        result = (rank, transport, "went on")
+    except loop_guard.CollectiveGuardFailFast as e:
+        result = (rank, transport, str(e))
+    _put_and_exit(out, result)
+
+
+@pytest.mark.parametrize("split_hosts", [False, True], ids=["shm", "gloo"])
+def test_ranks_at_different_guard_points_fail_fast_instead_of_pairing_unlike_agreements(monkeypatch, split_hosts):
+    monkeypatch.setenv("DSV4_SM120_COLLECTIVE_GUARD", "1")
+    results = sorted(_run_ranks(_ranks_at_different_points, 2, split_hosts, timeout_s=60.0))
+    for rank, transport, what in results:
+        assert transport == ("gloo" if split_hosts else "shm")
+        assert "FAIL FAST" in what and "different guard points (waiting, batch" in what, (rank, what)
+
+
 def _put_and_exit(out, item) -> None:
     out.put(item)
     out.close()

@@ -53,7 +53,7 @@ def _checked(scheduler, plan, undo):
     vector = snapshot.batch_vector(plan.batch_to_run)
     for agreement in state.groups:
         try:
-            bad = agreement.disagreeing_fields(vector)
+            bad = loop_guard.exchange_at(agreement, "batch", vector, state.loop, state.rank)
         except consensus.PeerLost as e:
             loop_guard._fail_fast(state.loop, state.rank, [], [], str(e))
         if bad:
@@ -83,7 +83,7 @@ def _undo_prefill(scheduler, state, agreement, batch) -> None:
     if batch and scheduler.chunked_req in batch.reqs:
         scheduler.chunked_req = None
     scheduler.waiting_queue = back + scheduler.waiting_queue
-    loop_guard.agree(scheduler, state, lambda: snapshot.take_queue(scheduler, "prefill", "waiting"),
+    loop_guard.agree(scheduler, state, lambda: snapshot.take_queue(scheduler, "prefill", "waiting"), "waiting",
                      "after the disagreeing batch went back to the waiting queue")
 
 

@@ -160,16 +160,24 @@ class Agreement:
         self._seq = 0
 
     def disagreeing_fields(self, vector: list[int]) -> list[int]:
-        """Indices of ``vector`` whose value is not the same on every rank of the group."""
+        """Indices of ``vector`` whose value is not the same on every rank of the group.
+
+        Every exchange of a group has the width of its first (the widest, the top-of-iteration
+        snapshot), shorter vectors zero-padded: ranks that reach different guard points still pair
+        messages of one size, and see the guard point code they lead with differ.
+        """
         if self.transport is None:
-            self._setup(len(vector))
+            self._width = len(vector)
+            self._setup(self._width)
+        if len(vector) > self._width:
+            raise ValueError(f"a guard vector of {len(vector)} fields is wider than this group's first ({self._width})")
         if self.transport == "shm":
             self._seq += 1
             payload = self._vectors.exchange(self._seq, vector)
             if (payload == payload[0]).all():
                 return []
             return np.flatnonzero((payload != payload[0]).any(axis=0)).tolist()
-        return self._via_gloo(vector)
+        return self._via_gloo(list(vector) + [0] * (self._width - len(vector)))
 
     def min_reduce(self, values: list[int]) -> list[int] | None:
         """Element-wise MIN over the group through shared memory; None when it does not fit (use gloo).

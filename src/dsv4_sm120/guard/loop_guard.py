@@ -32,6 +32,9 @@ from dsv4_sm120.guard.counters import Counters
 logger = logging.getLogger("dsv4_sm120.guard")
 
 MAX_ROUNDS = 3  # reconcile attempts within one iteration before failing fast
+# Every agreement leads with the code of the point it is made at: ranks that reached different
+# points (one skipped a poll site the others entered) learn it instead of pairing unlike vectors.
+POINTS = {"top": 1, "waiting": 2, "inflight": 3, "prealloc": 4, "transfer": 5, "batch": 6}
 EXIT_WITHIN_S = 8.0  # hard exit deadline after a fail-fast (the promise is < 10 s)
 EXIT_CODE = 3
 
@@ -69,26 +72,37 @@ def check_iteration(scheduler, loop: str) -> None:
     if state is None:
         state = scheduler.__dict__["_dsv4_guard"] = _State(scheduler, loop)
     if state.groups:
-        agree(scheduler, state, lambda: snapshot.take(scheduler, loop), "at the top of the iteration")
+        agree(scheduler, state, lambda: snapshot.take(scheduler, loop), "top", "at the top of the iteration")
 
 
-def agree(scheduler, state: _State, take, where: str) -> None:
-    """Bring what ``take()`` snapshots into agreement on every group, or fail fast.
+def agree(scheduler, state: _State, take, point: str, where: str) -> None:
+    """Bring what ``take()`` snapshots at guard point ``point`` into agreement on every group, or fail fast.
 
     ``take`` returns a ``snapshot.Snapshot``; its queues are reconciled, its scalars must be equal.
     """
     for agreement in state.groups:
         try:
-            _agree(scheduler, state.loop, agreement, state.rank, take, where)
+            _agree(scheduler, state.loop, agreement, state.rank, take, point, where)
         except consensus.PeerLost as e:
             _fail_fast(state.loop, state.rank, [], [], str(e))
 
 
-def _agree(scheduler, loop: str, agreement: consensus.Agreement, rank: int, take, where: str) -> None:
+def exchange_at(agreement: consensus.Agreement, point: str, vector: list[int], loop: str, rank: int) -> list[int]:
+    """``agreement.disagreeing_fields`` on ``vector`` led by the point's code; fails fast when the ranks
+    are at different guard points. Returns the disagreeing indices of ``vector``."""
+    bad = agreement.disagreeing_fields([POINTS[point], *vector])
+    if 0 in bad:
+        points = agreement.gather(point)
+        _fail_fast(loop, rank, [], [], f"the ranks reached different guard points ({', '.join(points)}, in group "
+                   f"rank order): an upstream branch between two agreements went differently on some ranks")
+    return [i - 1 for i in bad]
+
+
+def _agree(scheduler, loop: str, agreement: consensus.Agreement, rank: int, take, point: str, where: str) -> None:
     seen = False
     for _ in range(MAX_ROUNDS):
         snap = take()
-        bad = agreement.disagreeing_fields(snap.vector())
+        bad = exchange_at(agreement, point, snap.vector(), loop, rank)
         if not bad:
             if seen:
                 counters.add("divergences_reconciled")

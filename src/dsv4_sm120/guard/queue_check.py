@@ -37,7 +37,7 @@ def agree_on_queue(scheduler, name: str) -> None:
     """Reconcile queue ``name`` across the TP ranks now, when this scheduler is guarded."""
     state = loop_guard.active(scheduler)
     if state is not None:
-        loop_guard.agree(scheduler, state, lambda: snapshot.take_queue(scheduler, state.loop, name),
+        loop_guard.agree(scheduler, state, lambda: snapshot.take_queue(scheduler, state.loop, name), name,
                          f"before the {name} queue's poll")
 
 
