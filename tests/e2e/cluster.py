@@ -7,7 +7,10 @@ that let the pinned sglang serve on CPU: ``--device cpu`` with
 ``layers/rotary_embedding/base.py`` ~L138), the torch-native attention backend,
 no CUDA graphs, dummy weights; at TP > 1 ``SGLANG_NCCL_SO_PATH`` pointing at
 nothing (else PyNccl is set up on CPU, ``pynccl.py`` ~L116) and one OpenMP core
-set per rank; the decode keeps retraction backups as CPU tensors.
+set per rank; the decode keeps retraction backups as CPU tensors. Idle schedulers
+sleep (upstream's ``--sleep-on-idle``, a 1 s poll of their sockets) instead of
+busy-polling: seen here, each idle PD scheduler otherwise takes ~40% of a core, and
+on 2 cores the idle sets of a session starve the one under test.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from servers import LOOPBACK, Proc, ServerFailed, ServerSet, free_port, http
 SERVER_FLAGS = [
     "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--load-format", "dummy",
     "--max-total-tokens", "16384", "--host", LOOPBACK, "--enable-metrics", "--log-level", "info",
+    "--sleep-on-idle",
 ]
 STARTUP_S = float(os.environ.get("DSV4_E2E_STARTUP_S", "420"))
 

@@ -70,6 +70,18 @@ def log_tail(path: Path, lines: int = 60) -> str:
         return "(no log)"
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL it when the test process dies, even without a teardown.
+
+    pytest killed by a signal or a CI timeout runs no finalizer; this keeps its servers from
+    outliving it (sglang's own schedulers and detokenizer follow their launcher when it dies).
+    """
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 @dataclass
 class Proc:
     """One started process: what it is, its log, how to reach it."""
@@ -97,7 +109,7 @@ class Proc:
         try:
             self.popen = subprocess.Popen(
                 self.argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
+                start_new_session=True, preexec_fn=_die_with_parent,
             )
         finally:
             out.close()

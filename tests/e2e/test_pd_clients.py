@@ -1,0 +1,24 @@
+"""The package's clients against a real PD set: ``toolcall-check`` must report what a random model returns.
+
+The tiny model has random weights and the servers run no tool-call parser, so
+no turn can be a structured tool call: the honest verdict is "inconclusive"
+(nothing measured, exit 2), never "clean" (a pass) or "corrupted" (a fail).
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def test_toolcall_check_on_a_random_model_is_inconclusive(pd, e2e_env, tmp_path, record):
+    out = tmp_path / "toolcall.json"
+    proc = e2e_env.cli("toolcall-check", "--base-url", pd.front, "--model", "tiny", "--concurrency", "1", "4",
+                       "--sessions", "4", "--turns", "2", "--max-tokens", "16", "--request-timeout", "120",
+                       "--level-timeout", "300", "--out", str(out), timeout=700)
+    assert out.exists(), proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    kinds = [{k: level[k] for k in ("tool_call", "content", "corrupted", "request_errors")} for level in report["levels"]]
+    record("toolcall-check", "default", verdict=report["verdict"], exit=proc.returncode, kinds=kinds)
+    assert report["verdict"] == "inconclusive" and proc.returncode == 2, json.dumps(report)[:2000]
+    assert all(k["tool_call"] == 0 and k["corrupted"] == 0 for k in kinds), kinds
+    assert sum(k["content"] for k in kinds) > 0, f"no turn was answered at all: {kinds}"
