@@ -13,8 +13,9 @@ once per session, into a temporary folder:
    files it changes, so the test venv's sglang is never written);
 3. the wheel and the CPU test kit (``tests/e2e/cpu_testkit``, test-only sglang
    plugin and ``common_ops``) are ``pip install``-ed into it;
-4. ``dsv4-sm120 doctor`` and ``dsv4-sm120 patch apply`` / ``check`` run from it,
-   as a user runs them after ``pip install dsv4-sm120``.
+4. ``dsv4-sm120 doctor`` and ``dsv4-sm120 patch apply`` / ``check`` / ``revert`` run
+   from it, as a user runs them after ``pip install dsv4-sm120``; the servers then run
+   the patched loops.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import sysconfig
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,6 +51,7 @@ class E2EEnv:
     bin: Path
     wheel: Path
     site_packages: Path
+    steps: list = field(default_factory=list)  # (dsv4-sm120 command, exit status, stdout) run from the wheel
 
     def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         """``dsv4-sm120 ARGS`` from the installed wheel's console script."""
@@ -101,8 +103,13 @@ def build(root: Path) -> E2EEnv:
     where = _run([python, "-c", "import dsv4_sm120, sglang; print(dsv4_sm120.__file__); print(sglang.__file__)"]).split()
     if not where[0].startswith(str(site)) or not where[1].startswith(str(site)):
         raise EnvironmentFailed(f"the e2e environment imports {where}, not its own wheel and sglang copy under {site}")
-    for step in (("doctor",), ("patch", "apply"), ("patch", "check", "--require-applied")):
+    # As a user would after `pip install dsv4-sm120`: doctor, patch apply, check, revert, and apply again.
+    for step, want in ((("doctor",), 0), (("patch", "apply"), 0), (("patch", "check", "--require-applied"), 0),
+                       (("patch", "revert"), 0), (("patch", "check", "--require-applied"), 1), (("patch", "apply"), 0),
+                       (("patch", "check", "--require-applied"), 0)):
         out = env.cli(*step)
-        if out.returncode != 0:
-            raise EnvironmentFailed(f"dsv4-sm120 {' '.join(step)} from the wheel exited {out.returncode}:\n{out.stdout}\n{out.stderr}")
+        env.steps.append((" ".join(step), out.returncode, out.stdout))
+        if out.returncode != want:
+            raise EnvironmentFailed(f"dsv4-sm120 {' '.join(step)} from the wheel exited {out.returncode}, "
+                                    f"not {want}:\n{out.stdout}\n{out.stderr}")
     return env
