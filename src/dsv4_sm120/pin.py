@@ -88,12 +88,6 @@ MANIFEST: tuple[Touch, ...] = (
         "metrics",
         "The scheduler process's TP rank, the tp_rank label of every sglang:dsv4_* series.",
     ),
-    Touch(
-        "sglang.srt.runtime_context.get_parallel",
-        "calls",
-        "metrics",
-        "The scheduler process's TP rank, the tp_rank label of every sglang:dsv4_* series.",
-    ),
     # --- disagg: NIXL bootstrap hardening ---
     Touch(
         "sglang.srt.disaggregation.nixl.conn.NixlKVManager._start_bootstrap_thread",
