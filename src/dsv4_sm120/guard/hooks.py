@@ -40,6 +40,7 @@ def register(cfg: Settings) -> None:
 def warn_if_unpatched(result, scheduler, *args, **kwargs):
     """AFTER ``init_disaggregation``: warn when a PD scheduler runs the unguarded upstream loops."""
     from dsv4_sm120 import patching
+    from dsv4_sm120.guard import loop_guard
 
     mode = getattr(getattr(scheduler, "disaggregation_mode", None), "value", "null")
     if mode in ("prefill", "decode") and patching.applied_in_process() is not True:
@@ -48,6 +49,6 @@ def warn_if_unpatched(result, scheduler, *args, **kwargs):
             "A mass abort can leave TP ranks in different collectives and hang this engine with /health still OK.\n"
             "Fix: stop the server, run `dsv4-sm120 patch apply`, restart. Check with `dsv4-sm120 patch check "
             "--require-applied` or `dsv4-sm120 doctor`. Silence: DSV4_SM120_COLLECTIVE_GUARD=0.\n%s",
-            "!" * 100, mode, getattr(scheduler, "tp_rank", "?"), "!" * 100,
+            "!" * 100, mode, loop_guard.tp_rank_of(scheduler), "!" * 100,
         )
     return result

@@ -41,6 +41,16 @@ EXIT_CODE = 3
 counters = Counters()
 
 
+def tp_rank_of(scheduler) -> int:
+    """The scheduler's TP rank, for the log lines: the pin's Scheduler keeps it in sglang's runtime context."""
+    rank = getattr(scheduler, "tp_rank", None)  # the patched-loop harness's stand-in carries it
+    if rank is None:
+        from sglang.srt.runtime_context import get_parallel
+
+        rank = get_parallel().tp_rank
+    return rank
+
+
 class CollectiveGuardFailFast(RuntimeError):
     """TP ranks of a PD scheduler diverged and could not be reconciled."""
 
@@ -53,7 +63,7 @@ class _State:
 
         self.enabled = settings.load().collective_guard
         self.groups = [consensus.Agreement(g) for g in consensus.groups_of(scheduler)] if self.enabled else []
-        self.rank = getattr(scheduler, "tp_rank", 0)
+        self.rank = tp_rank_of(scheduler)
         self.loop = loop
         reporter = getattr(scheduler, "metrics_reporter", None)
         if self.enabled and getattr(reporter, "enable_metrics", False) and not counters._prom:
