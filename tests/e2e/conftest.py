@@ -72,16 +72,21 @@ def clusters(e2e_env, tiny_model, tmp_path_factory):
             start = cluster_mod.start_pd if kind == "pd" else cluster_mod.start_single
             try:
                 found = start(e2e_env, tiny_model, logs / key, **kwargs)
+            except Exception as exc:
+                _STARTED[key] = exc
+                raise
+            try:
                 if kind == "pd":
                     cluster_mod.wait_serving(found)
             except Exception as exc:
+                found.stop()
                 _STARTED[key] = exc
                 raise
             _STARTED[key] = found
         return found
 
     def discard(key: str) -> None:
-        """Stop a cluster a scenario left unusable (a wedged pin); a later ``get`` starts a new one."""
+        """Stop a cluster now: no later test needs it, or a scenario left it unusable (a wedged pin)."""
         found = _STARTED.pop(key, None)
         if found is not None and not isinstance(found, BaseException):
             found.stop()

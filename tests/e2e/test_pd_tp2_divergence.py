@@ -33,22 +33,25 @@ def _inject_and_send(c, fault_dir) -> tuple[int, bytes, str]:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(1800)  # a set of its own to start: minutes on a loaded 2-core machine
-@pytest.mark.parametrize("guard", ["1", "0"])
+@pytest.mark.parametrize("guard", ["as-set", "0"])
 def test_rank_local_divergence_on_a_real_tp2_prefill(clusters, tmp_path_factory, record, guard):
     fault_dir = tmp_path_factory.mktemp(f"divergence-guard{guard}")
     key = f"pd-tp2-divergence-guard{guard}"
-    c = clusters(key, tp=2, switches={"DSV4_E2E_FAULT_DIR": str(fault_dir), "DSV4_SM120_COLLECTIVE_GUARD": guard},
-                 extra_prefill=["--dist-timeout", "30"], tag=f"-div-g{guard}")
+    # "as-set": the suite's own DSV4_SM120_COLLECTIVE_GUARD (default 1): at 0 this case fails; "0": recorded.
+    switches = {"DSV4_E2E_FAULT_DIR": str(fault_dir)}
+    if guard == "0":
+        switches["DSV4_SM120_COLLECTIVE_GUARD"] = "0"
+    c = clusters(key, tp=2, switches=switches, extra_prefill=["--dist-timeout", "30"], tag=f"-div-g{guard}")
     try:
         status, body, injected = _inject_and_send(c, fault_dir)
         later = burst(c.front, 4, timeout=90)
         health = checks.health(c)
         guard_metrics = {n: v for n, _, v in scrape.metrics(c.prefill.url) if n.startswith("sglang:dsv4_guard_")}
-        record("d: TP=2 divergence", "default" if guard == "1" else "DSV4_SM120_COLLECTIVE_GUARD=0", tp=2,
+        record("d: TP=2 divergence", "default" if guard == "as-set" else "DSV4_SM120_COLLECTIVE_GUARD=0", tp=2,
                injected=injected, divergent_request_status=status, divergent_request_answer=body[:300].decode(errors="replace"),
                later_requests=later, health=health, guard_metrics=guard_metrics, dead=c.servers.dead())
         assert injected.startswith("rank 1 dropped"), injected
-        if guard == "1":
+        if guard == "as-set":
             assert later["completed"] == 4, later
             assert set(health.values()) == {200}, health
             assert guard_metrics.get("sglang:dsv4_guard_divergences_reconciled_total", 0) >= 1, guard_metrics
