@@ -29,9 +29,9 @@ IDLE_ZERO = (
 
 
 def health(cluster) -> dict[str, int]:
-    """HTTP status of /health on each process of the set (0: no answer)."""
-    procs = [p for p in (cluster.prefill, cluster.decode, cluster.router, cluster.single) if p is not None]
-    return {p.name: http("GET", p.url + "/health", timeout=30)[0] for p in procs}
+    """HTTP status of /health on each process of the set, by role (0: no answer)."""
+    roles = {"prefill": cluster.prefill, "decode": cluster.decode, "router": cluster.router, "single": cluster.single}
+    return {role: http("GET", p.url + "/health", timeout=30)[0] for role, p in roles.items() if p is not None}
 
 
 def leftovers(cluster, only=None) -> dict[str, float]:
