@@ -114,7 +114,7 @@ def start_pd(env: E2EEnv, model: Path, log_dir: Path, tp: int = 1, switches: dic
         decode.wait_ready("/health", STARTUP_S)
         servers.add(router)
         router.start(server_env(env, 1))
-        router.wait_ready("/health", 120)
+        router.wait_ready("/health", 300)
     except BaseException:
         servers.stop()
         raise

@@ -97,8 +97,10 @@ def start_watcher(result, scheduler, *args, **kwargs):
 def drop_on_rank1(original, scheduler, recv_reqs, *args, **kwargs):
     """AROUND ``Scheduler.process_input_requests``: on request, rank 1 forgets the request it just ingested."""
     result = original(scheduler, recv_reqs, *args, **kwargs)
+    from sglang.srt.runtime_context import get_parallel  # the pin's Scheduler keeps no tp_rank attribute
+
     fault_dir = os.environ.get("DSV4_E2E_FAULT_DIR")
-    if not fault_dir or getattr(scheduler, "tp_rank", 0) != 1:
+    if not fault_dir or get_parallel().tp_rank != 1:
         return result
     ask = Path(fault_dir) / "drop-next-request"
     if not ask.exists():
