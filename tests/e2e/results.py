@@ -19,13 +19,16 @@ def _commit() -> str:
     return out.stdout.strip() + ("+dirty" if dirty else "")
 
 
+COMMIT_AT_START = None  # set by the e2e environment when it builds the wheel: the code the servers run
+
+
 def write(path: Path, rows: list[dict]) -> None:
     from importlib.metadata import version
 
     doc = {
         "date": datetime.date.today().isoformat(),
         "device": f"CPU only: {os.cpu_count()} cores, {platform.machine()} ({platform.node()}); no GPU",
-        "commit": _commit(),
+        "commit": COMMIT_AT_START or _commit(),
         "what": "real sglang.launch_server prefill/decode processes over NIXL (UCX, DRAM) behind the real PD router, "
                 "tiny dummy-weight Llama on CPU; dsv4-sm120 installed from its wheel. No DSV4 model forward; "
                 "timings are this shared 2-core machine's and mean nothing for a GPU host.",
