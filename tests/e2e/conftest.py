@@ -49,7 +49,7 @@ def _root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def e2e_env(tmp_path_factory) -> environment.E2EEnv:
     """dsv4-sm120 built into a wheel and installed in the suite's own environment (patch applied)."""
-    results.COMMIT_AT_START = results._commit()  # the JSON names the code the wheel was built from
+    results.COMMIT_AT_START = results.commit()  # the JSON names the code the wheel was built from
     return environment.build(_root(tmp_path_factory) / "env")
 
 

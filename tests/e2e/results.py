@@ -12,7 +12,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _commit() -> str:
+def commit() -> str:
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
                            text=True).stdout.strip()
@@ -28,7 +28,7 @@ def write(path: Path, rows: list[dict]) -> None:
     doc = {
         "date": datetime.date.today().isoformat(),
         "device": f"CPU only: {os.cpu_count()} cores, {platform.machine()} ({platform.node()}); no GPU",
-        "commit": COMMIT_AT_START or _commit(),
+        "commit": COMMIT_AT_START or commit(),
         "what": "real sglang.launch_server prefill/decode processes over NIXL (UCX, DRAM) behind the real PD router, "
                 "tiny dummy-weight Llama on CPU; dsv4-sm120 installed from its wheel. No DSV4 model forward; "
                 "timings are this shared 2-core machine's and mean nothing for a GPU host.",
