@@ -19,6 +19,14 @@ def commit() -> str:
     return out.stdout.strip() + ("+dirty" if dirty else "")
 
 
+def suite_fix() -> str:
+    """The fixes as this test session sets them: "default", or the switches it moved off their defaults."""
+    from dsv4_sm120.settings import SWITCHES
+
+    moved = [f"{s.env}={os.environ[s.env]}" for s in SWITCHES if os.environ.get(s.env, s.default) != s.default]
+    return " ".join(moved) or "default"
+
+
 COMMIT_AT_START = None  # set by the e2e environment when it builds the wheel: the code the servers run
 
 

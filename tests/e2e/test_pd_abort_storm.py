@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import pytest
 
+import results
+
 from storm import run_and_check
 
 
 def test_abort_storm_through_the_router_recovers_and_leaks_nothing(pd, e2e_env, tmp_path, record):
-    run_and_check(e2e_env, pd, tmp_path, record, fix="default")
+    run_and_check(e2e_env, pd, tmp_path, record, fix=results.suite_fix())
 
 
 @pytest.mark.e2e
@@ -27,6 +29,6 @@ def test_abort_storm_through_the_router_recovers_and_leaks_nothing(pd, e2e_env, 
 def test_abort_storm_at_tp2(clusters, e2e_env, tmp_path, record):
     tp2 = clusters("pd-tp2", tp=2, tag="-tp2")
     try:
-        run_and_check(e2e_env, tp2, tmp_path, record, fix="default")
+        run_and_check(e2e_env, tp2, tmp_path, record, fix=results.suite_fix())
     finally:
         clusters.discard("pd-tp2")  # nothing else uses it: free the cores

@@ -15,6 +15,7 @@ import time
 from urllib.parse import urlparse
 
 import checks
+import results
 from cluster import chat
 from servers import http
 
@@ -50,7 +51,7 @@ def test_bad_requests_get_clear_4xx_and_the_set_keeps_serving(pd, record):
     after = chat(pd.front, timeout=120)[0]
     health = checks.health(pd)
     left = checks.settle(pd)
-    record("f: bad input", "default", statuses=statuses, bodies={k: b[:200].decode(errors="replace") for k, (_, b) in cases.items()},
+    record("f: bad input", results.suite_fix(), statuses=statuses, bodies={k: b[:200].decode(errors="replace") for k, (_, b) in cases.items()},
            request_after=after, health=health, leaks=left)
     for case, (status, body) in cases.items():
         if case == "unknown field":

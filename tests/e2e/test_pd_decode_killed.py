@@ -13,6 +13,7 @@ import time
 import pytest
 
 import checks
+import results
 import cluster as cluster_mod
 from cluster import chat
 
@@ -47,7 +48,7 @@ def test_decode_killed_mid_storm_prefill_lets_go_and_serves_a_new_decode(cluster
             time.sleep(2)
         health = checks.health(c)
         left_end = checks.settle(c)
-        record("e: decode killed", "default", prefill_health_after_kill=prefill_health, prefill_leftovers=left,
+        record("e: decode killed", results.suite_fix(), prefill_health_after_kill=prefill_health, prefill_leftovers=left,
                prefill_released_after_s=released_s, prefill_log_lines=reasons, request_after_new_decode=after,
                health=health, leaks_end=left_end)
         assert prefill_health == 200

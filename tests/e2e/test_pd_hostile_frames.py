@@ -15,6 +15,7 @@ import random
 import time
 
 import checks
+import results
 import hostile
 import scrape
 from traffic import Traffic, burst
@@ -46,7 +47,7 @@ def test_hostile_frames_are_refused_counted_and_serving_goes_on(pd, record):
     after = checks.dsv4_counters(pd)
     deltas = checks.delta(before, after)
     health = checks.health(pd)
-    record("b: hostile frames", "default", tp=pd.tp, during_traffic_ok=traffic.ok, during_traffic_failed=traffic.failed,
+    record("b: hostile frames", results.suite_fix(), tp=pd.tp, during_traffic_ok=traffic.ok, during_traffic_failed=traffic.failed,
            later_requests=later, rejected_by_reason=rejected, health=health, metric_deltas=deltas,
            bootstrap_threads_alive=after.get("sglang:dsv4_nixl_bootstrap_threads_alive"))
     assert later["completed"] == 8, later

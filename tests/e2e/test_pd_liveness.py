@@ -17,6 +17,7 @@ import time
 import pytest
 
 import checks
+import results
 from cluster import chat
 from servers import http
 
@@ -74,7 +75,7 @@ def test_dead_nixl_thread_fails_health_and_the_router_stops_routing(clusters, tm
                 router_s = round(time.monotonic() - start, 1)
                 break
             time.sleep(1)
-        fix = "default" if hardening == "as-set" else "DSV4_SM120_NIXL_HARDENING=0"
+        fix = results.suite_fix() if hardening == "as-set" else "DSV4_SM120_NIXL_HARDENING=0"
         record("c: liveness", fix, tp=c.tp, fault=fault, injected=done, request_after_fault=trigger,
                prefill_health_generate_503_after_s=to_503, prefill_health_after=health,
                router_answer=router_status, router_answer_after_s=router_s,

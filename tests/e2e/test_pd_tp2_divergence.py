@@ -16,6 +16,7 @@ import time
 import pytest
 
 import checks
+import results
 import scrape
 from cluster import chat
 from traffic import burst
@@ -47,7 +48,7 @@ def test_rank_local_divergence_on_a_real_tp2_prefill(clusters, tmp_path_factory,
         later = burst(c.front, 4, timeout=90)
         health = checks.health(c)
         guard_metrics = {n: v for n, _, v in scrape.metrics(c.prefill.url) if n.startswith("sglang:dsv4_guard_")}
-        record("d: TP=2 divergence", "default" if guard == "as-set" else "DSV4_SM120_COLLECTIVE_GUARD=0", tp=2,
+        record("d: TP=2 divergence", results.suite_fix() if guard == "as-set" else "DSV4_SM120_COLLECTIVE_GUARD=0", tp=2,
                injected=injected, divergent_request_status=status, divergent_request_answer=body[:300].decode(errors="replace"),
                later_requests=later, health=health, guard_metrics=guard_metrics, dead=c.servers.dead())
         assert injected.startswith("rank 1 dropped"), injected
