@@ -31,7 +31,7 @@ print("RESULT" + json.dumps(out))
 """
 
 # The default suite compiles one launch shape of each kernel; the other variants are `slow`.
-DEFAULT_SPECS = ("index_k_store[mode=1]", "index_query", "mqa_logits", "page_checksum", "page_copy")
+DEFAULT_SPECS = ("index_k_store[mode=1]", "index_query", "mqa_logits", "mqa_logits[prefill]", "page_checksum", "page_copy")
 SLOW_SPECS = ("index_k_store[mode=0]", "index_k_store[mode=2]")
 
 

@@ -40,13 +40,16 @@ def _store_spec(mode: int) -> KernelSpec:
                        "PAGE": PAGE_SLOTS})
 
 
-def _logits_spec() -> KernelSpec:
+def _logits_spec(rows_per_program: int = 1) -> KernelSpec:
     sig = {"q_ptr": "*bf16", "w_ptr": "*fp32", "kv_ptr": "*bf16", "seq_ptr": "*i32", "pt_ptr": "*i32",
            "out_ptr": "*fp32", "stride_q_row": "i64", "stride_q_head": "i64", "stride_w_row": "i64",
-           "stride_pt_row": "i64", "stride_out_row": "i64", "max_seq_len": "i32", "splits": "i32",
+           "stride_pt_row": "i64", "stride_out_row": "i64", "n_rows": "i32", "max_seq_len": "i32", "splits": "i32",
            "min_tiles": "i32"}
-    return KernelSpec("mqa_logits", mqa_logits._logits_kernel, sig,
-                      {"H": 64, "D": HEAD_DIM, "PAGE": PAGE_SLOTS, "FP32_DOT": False}, num_stages=4)
+    cfg = mqa_logits.PREFILL_CONFIG if rows_per_program > 1 else mqa_logits.DECODE_CONFIG
+    name = "mqa_logits" if rows_per_program == 1 else "mqa_logits[prefill]"
+    return KernelSpec(name, mqa_logits._logits_kernel, sig,
+                      {"H": 64, "D": HEAD_DIM, "PAGE": PAGE_SLOTS, "R": rows_per_program, "TP": 1, "FP32_DOT": False},
+                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 KERNEL_SPECS = (
@@ -56,6 +59,7 @@ KERNEL_SPECS = (
                 "n_heads": "i32"},
                {"BLOCK_N": index_query.BLOCK_N, "D": HEAD_DIM, "ROPE": ROPE_DIM}),
     _logits_spec(),
+    _logits_spec(mqa_logits.ROWS_PER_PROGRAM),
     KernelSpec("page_checksum", page_checksum._checksum_kernel,
                {"x_ptr": "*i32", "out_ptr": "*i64", "row_words": "i32", "stride_row": "i64"},
                {"BLOCK": page_checksum.BLOCK}, num_warps=page_checksum.NUM_WARPS),

@@ -35,46 +35,113 @@ import triton.language as tl
 from dsv4_sm120.kernels._common import interpreting
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, check_pages
 
-# Defaults (4 warps, 4 stages) from the H200 sweeps in bench/results/indexer_h200_2026-12-01*.json.
-TARGET_PROGRAMS = 2048  # ~15 programs per SM: enough loads in flight for decode, one pass per row for prefill
-MIN_TILES_PER_PROGRAM = 4  # a program that scores fewer key tiles spends most of its time loading q
+# Launch defaults; the H200 sweeps behind them are in bench/results/indexer_h200_2026-12-01*.json.
+TARGET_PROGRAMS = 2048  # decode: programs per launch when rows are few (split across each row's keys)
+MIN_TILES_PER_PROGRAM = 4  # decode: a program that scores fewer key tiles spends most of its time loading q
+PREFILL_ROWS = 1024  # from this many query rows on, a program scores ROWS_PER_PROGRAM rows at once
+ROWS_PER_PROGRAM = 2
+DECODE_CONFIG = dict(num_warps=4, num_stages=4)
+PREFILL_CONFIG = dict(num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _tile_scores(k, q_t, w, FP32_DOT: tl.constexpr):
+    """w[c] * relu(k . q_t[:, c]) for a key tile k [PAGE, D] and query columns q_t [D, C] (fp32 [PAGE, C])."""
+    if FP32_DOT:  # the CPU interpreter's bf16 dot is wrong; exact bf16 products in fp32 agree
+        s = tl.dot(k.to(tl.float32), q_t.to(tl.float32), input_precision="ieee")
+    else:
+        s = tl.dot(k, q_t)  # fp32 accumulate
+    return tl.maximum(s, 0.0) * w[None, :]
+
+
+@triton.jit
+def _score_row(q_ptr, w_ptr, kv_ptr, pt_row, out_row, ref_pt, seq, t0, t1, stride_q_head,
+               H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, TP: tl.constexpr,
+               ONLY_OTHER_PAGES: tl.constexpr, FP32_DOT: tl.constexpr):
+    """One query row over its key tiles [t0, t1), TP pages a tile; q_ptr/w_ptr/pt_row/out_row point at the row.
+
+    With ONLY_OTHER_PAGES, only keys whose page differs from ``ref_pt``'s page at the same position are stored.
+    """
+    heads = tl.arange(0, H)
+    dims = tl.arange(0, D)
+    q_t = tl.load(q_ptr + heads[None, :] * stride_q_head + dims[:, None])  # [D, H]
+    w = tl.load(w_ptr + heads).to(tl.float32)
+    offs = tl.arange(0, PAGE)
+    in_page = offs[:, None] * D + dims[None, :]  # [PAGE, D] element offsets inside one page
+    live_pages = tl.cdiv(seq, PAGE)
+    for t in range(t0, t1):
+        for i in tl.static_range(TP):
+            p = t * TP + i
+            n = p * PAGE + offs
+            live = n < seq
+            page = tl.load(pt_row + p, mask=p < live_pages, other=0).to(tl.int64)
+            k = tl.load(kv_ptr + page * (PAGE * D) + in_page, mask=live[:, None], other=0.0)  # [PAGE, D]
+            s = tl.sum(_tile_scores(k, q_t, w, FP32_DOT), axis=1)
+            if ONLY_OTHER_PAGES:
+                live = live & (page != tl.load(ref_pt + p).to(tl.int64))
+            tl.store(out_row + n, s, mask=live)
 
 
 @triton.jit
 def _logits_kernel(
     q_ptr, w_ptr, kv_ptr, seq_ptr, pt_ptr, out_ptr,
     stride_q_row, stride_q_head, stride_w_row, stride_pt_row, stride_out_row,
-    max_seq_len, splits, min_tiles,
-    H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, FP32_DOT: tl.constexpr,
+    n_rows, max_seq_len, splits, min_tiles,
+    H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, R: tl.constexpr, TP: tl.constexpr,
+    FP32_DOT: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    seq = tl.minimum(tl.load(seq_ptr + row), max_seq_len)
-    live_pages = tl.cdiv(seq, PAGE)
-    tiles = tl.maximum(tl.cdiv(live_pages, splits), min_tiles)  # this row's share of pages per program
-    t0 = split * tiles
-    t1 = tl.minimum(t0 + tiles, live_pages)
-    if t0 < t1:
-        heads = tl.arange(0, H)
+    if R == 1:  # decode: program (row, split) scores a contiguous share of the row's live tiles
+        row = tl.program_id(0)
+        split = tl.program_id(1)
+        row64 = row.to(tl.int64)
+        seq = tl.minimum(tl.load(seq_ptr + row), max_seq_len)
+        n_tiles = tl.cdiv(tl.cdiv(seq, PAGE), TP)
+        tiles = tl.maximum(tl.cdiv(n_tiles, splits), min_tiles)
+        t0 = split * tiles
+        t1 = tl.minimum(t0 + tiles, n_tiles)
+        if t0 < t1:
+            pt_row = pt_ptr + row64 * stride_pt_row
+            _score_row(q_ptr + row64 * stride_q_row, w_ptr + row64 * stride_w_row, kv_ptr, pt_row,
+                       out_ptr + row64 * stride_out_row, pt_row, seq, t0, t1, stride_q_head,
+                       H, D, PAGE, TP, False, FP32_DOT)
+    else:  # prefill: R consecutive rows per program; a key page they share is loaded once for all R
+        group = tl.num_programs(0) - 1 - tl.program_id(0)  # last rows first: in causal prefill the longest
+        r0 = group * R
+        rr = tl.arange(0, R)
+        rows = tl.minimum(r0 + rr, n_rows - 1).to(tl.int64)  # a short last group repeats its last row ...
+        seqs = tl.where(r0 + rr < n_rows, tl.minimum(tl.load(seq_ptr + rows), max_seq_len), 0)  # ... with no keys
+        seq_hi = tl.max(seqs, axis=0)
+        ref = tl.minimum(r0 + tl.argmax(seqs, axis=0), n_rows - 1).to(tl.int64)  # a row with the most keys
+        ref_pt = pt_ptr + ref * stride_pt_row
         dims = tl.arange(0, D)
-        q_t = tl.load(q_ptr + row64 * stride_q_row + heads[None, :] * stride_q_head + dims[:, None])  # [D, H]
-        w = tl.load(w_ptr + row64 * stride_w_row + heads).to(tl.float32)
-        out_row = out_ptr + row64 * stride_out_row
-        pt_row = pt_ptr + row64 * stride_pt_row
+        cols = tl.arange(0, R * H)
+        c_row = tl.minimum(r0 + cols // H, n_rows - 1).to(tl.int64)
+        q_t = tl.load(q_ptr + c_row[None, :] * stride_q_row + (cols % H)[None, :] * stride_q_head
+                      + dims[:, None])  # [D, R * H]: the R rows' heads side by side
+        w = tl.load(w_ptr + c_row * stride_w_row + cols % H).to(tl.float32)
+        pt_rows = pt_ptr + rows * stride_pt_row
+        out_rows = out_ptr + rows * stride_out_row
         offs = tl.arange(0, PAGE)
-        in_page = offs[:, None] * D + dims[None, :]  # [PAGE, D] element offsets inside one page
-        for t in range(t0, t1):
+        in_page = offs[:, None] * D + dims[None, :]
+        other = tl.zeros([R], dtype=tl.int32)  # rows that read a page of their own somewhere
+        for t in range(0, tl.cdiv(seq_hi, PAGE)):
             n = t * PAGE + offs
-            live = n < seq
-            page = tl.load(pt_row + t).to(tl.int64)
-            k = tl.load(kv_ptr + page * (PAGE * D) + in_page, mask=live[:, None], other=0.0)  # [PAGE, D]
-            if FP32_DOT:  # the CPU interpreter's bf16 dot is wrong; exact bf16 products in fp32 agree
-                s = tl.dot(k.to(tl.float32), q_t.to(tl.float32), input_precision="ieee")
-            else:
-                s = tl.dot(k, q_t)  # [PAGE, H] fp32 accumulate
-            s = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)
-            tl.store(out_row + n, s, mask=live)
+            page = tl.load(ref_pt + t)
+            mine = tl.load(pt_rows + t, mask=t * PAGE < seqs, other=page)  # [R]
+            same = mine == page
+            other = tl.maximum(other, (mine != page).to(tl.int32))
+            k = tl.load(kv_ptr + page.to(tl.int64) * (PAGE * D) + in_page, mask=(n < seq_hi)[:, None], other=0.0)
+            s = tl.sum(tl.reshape(_tile_scores(k, q_t, w, FP32_DOT), (PAGE, R, H)), axis=2)  # [PAGE, R]
+            tl.store(out_rows[None, :] + n[:, None], s, mask=(n[:, None] < seqs[None, :]) & same[None, :])
+        if tl.max(other, axis=0) > 0:  # rows of different requests in one group: score their own pages
+            tl.debug_barrier()
+            for i in tl.static_range(R):
+                if tl.sum(tl.where(rr == i, other, 0), axis=0) > 0:
+                    row = tl.minimum(r0 + i, n_rows - 1).to(tl.int64)
+                    seq = tl.sum(tl.where(rr == i, seqs, 0), axis=0)
+                    _score_row(q_ptr + row * stride_q_row, w_ptr + row * stride_w_row, kv_ptr,
+                               pt_ptr + row * stride_pt_row, out_ptr + row * stride_out_row, ref_pt, seq,
+                               0, tl.cdiv(seq, PAGE), stride_q_head, H, D, PAGE, 1, True, FP32_DOT)
 
 def _normalize(q, weights, seq_lens, page_table):
     if q.dim() == 4:  # upstream passes [B, next_n=1, H, D]
@@ -112,14 +179,19 @@ def bf16_paged_mqa_logits(
     out: torch.Tensor | None = None,
     splits: int | None = None,
     min_tiles: int = MIN_TILES_PER_PROGRAM,
-    num_warps: int = 4,
-    num_stages: int = 4,
+    rows_per_program: int | None = None,
+    tile_pages: int = 1,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """fp32 logits [rows, max_seq_len] of bf16 queries against the bf16 index-K pool (see module doc).
 
-    Only ``[0, min(seq_lens[t], max_seq_len))`` of row t is written. ``splits`` programs share a row
-    (default: enough programs to fill the GPU, fewer when the width has too few pages), each taking at
-    least ``min_tiles`` pages of the row's live length.
+    Only ``[0, min(seq_lens[t], max_seq_len))`` of row t is written. With one row per program (decode:
+    the default below ``PREFILL_ROWS`` rows), ``splits`` programs share a row (default: enough programs
+    to fill the GPU, fewer when the width has too few pages), each taking at least ``min_tiles`` tiles of
+    ``tile_pages`` pages of the row's live length. With ``rows_per_program`` R > 1 (prefill), a program
+    scores R consecutive rows and loads each key page they share once; rows whose pages differ (another
+    request) are scored again on their own pages, so the result does not depend on R.
     """
     check_pages(pages)
     q, weights, seq_lens, page_table = _normalize(q, weights, seq_lens, page_table)
@@ -130,13 +202,25 @@ def bf16_paged_mqa_logits(
         raise ValueError(f"out must be fp32 [{rows}, {max_seq_len}] with unit inner stride")
     if rows == 0 or max_seq_len == 0:
         return out
-    if splits is None:  # split rows only when there are too few to fill the GPU; never past the width
-        splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, rows), triton.cdiv(max_seq_len, PAGE_SLOTS * min_tiles)))
-    _logits_kernel[(rows, int(splits))](
+    r = int(rows_per_program) if rows_per_program is not None else (ROWS_PER_PROGRAM if rows >= PREFILL_ROWS else 1)
+    if r < 1 or r & (r - 1):
+        raise ValueError(f"rows_per_program must be a power of two; got {r}")
+    cfg = PREFILL_CONFIG if r > 1 else DECODE_CONFIG
+    num_warps = cfg["num_warps"] if num_warps is None else num_warps
+    num_stages = cfg["num_stages"] if num_stages is None else num_stages
+    if r > 1:
+        grid = (triton.cdiv(rows, r), 1)
+        splits = 1
+    else:
+        if splits is None:  # split rows only when there are too few to fill the GPU; never past the width
+            splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, rows),
+                                triton.cdiv(max_seq_len, PAGE_SLOTS * tile_pages * min_tiles)))
+        grid = (rows, int(splits))
+    _logits_kernel[grid](
         q, weights, pages, seq_lens, page_table, out,
         q.stride(0), q.stride(1), weights.stride(0), page_table.stride(0), out.stride(0),
-        max_seq_len, int(splits), int(min_tiles),
-        H=q.shape[1], D=HEAD_DIM, PAGE=PAGE_SLOTS, FP32_DOT=interpreting(),
+        rows, max_seq_len, int(splits), int(min_tiles),
+        H=q.shape[1], D=HEAD_DIM, PAGE=PAGE_SLOTS, R=r, TP=int(tile_pages), FP32_DOT=interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
