@@ -166,8 +166,8 @@ def _worker(rank: int, tp: int, port: int, args: dict, results) -> None:
     def shm_poll(p, g):  # the plugin's AROUND hook on upstream's _all_reduce_polls
         return poll_reduce.all_reduce_polls(poll_min_all_reduce, p, g)
 
-    def run(kind: str, iters: int) -> tuple[float, float]:
-        inside = 0.0
+    def run(kind: str, iters: int) -> tuple[float, float, float]:
+        inside = inside_after = 0.0
         step = steps.get(kind)
         poll = shm_poll if kind in ("top_only", "top_batch", "package") else poll_min_all_reduce
         after = after_poll.get(kind)
@@ -183,17 +183,19 @@ def _worker(rank: int, tp: int, port: int, args: dict, results) -> None:
             if after is not None:
                 g0 = time.perf_counter()
                 after()
-                inside += time.perf_counter() - g0
-        return (time.perf_counter() - t0) / iters * 1e6, inside / iters * 1e6
+                inside_after += time.perf_counter() - g0
+        us = (time.perf_counter() - t0) / iters * 1e6
+        return us, (inside + inside_after) / iters * 1e6, inside_after / iters * 1e6
 
-    for kind in KINDS:
+    kinds = args["kinds"]
+    for kind in kinds:
         run(kind, args["warmup"])
     rounds = []
     for i in range(args["rounds"]):
-        order = KINDS[i % len(KINDS):] + KINDS[: i % len(KINDS)]  # rotate which kind goes first
+        order = kinds[i % len(kinds):] + kinds[: i % len(kinds)]  # rotate which kind goes first
         for kind in order:
-            us, inside = run(kind, args["iters"])
-            rounds.append({"kind": kind, "us": us, "inside_us": inside})
+            us, inside, inside_after = run(kind, args["iters"])
+            rounds.append({"kind": kind, "us": us, "inside_us": inside, "inside_after_us": inside_after})
     c = loop_guard.counters
     assert c.divergences_seen == 0 and c.fail_fasts == 0, f"ranks disagreed during the bench: {c.line()}"
     per_rank = [None] * tp
@@ -227,22 +229,34 @@ def measure(tp: int, args: dict) -> dict:
     bad = [p.exitcode for p in procs if p.exitcode != 0]
     if bad:
         raise SystemExit(f"TP={tp}: worker exit codes {bad}")
-    slowest = {k: [] for k in KINDS}
-    inside = {k: [] for k in KINDS}
+    kinds = args["kinds"]
+    slowest = {k: [] for k in kinds}
+    inside = {k: [] for k in kinds}
+    inside_after = {k: [] for k in kinds}
     for j, first in enumerate(per_rank[0]):
         slowest[first["kind"]].append(max(rank_rounds[j]["us"] for rank_rounds in per_rank))
         inside[first["kind"]].append(statistics.median(rank_rounds[j]["inside_us"] for rank_rounds in per_rank))
+        inside_after[first["kind"]].append(
+            statistics.median(rank_rounds[j]["inside_after_us"] for rank_rounds in per_rank))
     row = {"tp": tp}
-    for kind in KINDS:
+    for kind in kinds:
         row[f"us_per_iter_{kind}"] = round(statistics.median(slowest[kind]), 2)
-    for kind in KINDS[1:]:
+    for kind in kinds[1:]:
         row[f"{kind}_cost_us"] = round(row[f"us_per_iter_{kind}"] - row["us_per_iter_base"], 2)
         row[f"{kind}_ratio"] = round(row[f"us_per_iter_{kind}"] / row["us_per_iter_base"], 3)
         row[f"us_inside_{kind}_call"] = round(statistics.median(inside[kind]), 2)
-    row["second_agreement_us"] = round(row["us_per_iter_top_batch"] - row["us_per_iter_top_only"], 2)
-    row["later_agreements_us"] = round(row["us_per_iter_package"] - row["us_per_iter_top_only"], 2)
-    for kind in KINDS:
+    if {"top_only", "top_batch"} <= set(kinds):
+        row["second_agreement_us"] = round(row["us_per_iter_top_batch"] - row["us_per_iter_top_only"], 2)
+        # the same agreement timed from inside: the batch check's call alone (median over ranks,
+        # waiting for the slowest rank included), in the top_batch kind
+        row["us_inside_second_agreement"] = round(statistics.median(inside_after["top_batch"]), 2)
+    if {"top_only", "package"} <= set(kinds):
+        row["later_agreements_us"] = round(row["us_per_iter_package"] - row["us_per_iter_top_only"], 2)
+        row["us_inside_later_agreements"] = round(statistics.median(inside_after["package"]), 2)
+    for kind in kinds:
         row[f"rounds_{kind}_us"] = [round(x, 2) for x in slowest[kind]]
+    if "top_batch" in kinds:
+        row["rounds_us_inside_second_agreement"] = [round(x, 2) for x in inside_after["top_batch"]]
     return row
 
 
@@ -266,11 +280,13 @@ def _commit(given: str | None) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--iters", type=int, default=4000, help="loop iterations per round")
+    ap.add_argument("--iters", type=int, default=1500, help="loop iterations per round")
     ap.add_argument("--rounds", type=int, default=9, help="rounds of every kind per TP size")
     ap.add_argument("--warmup", type=int, default=500, help="iterations of each kind before timing")
     ap.add_argument("--queued", type=int, default=16, help="request ids in the bootstrap queue")
     ap.add_argument("--timeout-s", type=float, default=300.0, help="per TP size")
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS,
+                    help="what to time (base first); default: all")
     ap.add_argument("--commit", default=None, help="commit measured (when run outside a git checkout)")
     ap.add_argument("--device", default=None, help="host description prefix, e.g. where it ran")
     ap.add_argument("--out", type=Path, default=None)
@@ -279,7 +295,10 @@ def main() -> int:
         ap.error("--tp sizes must be >= 2: the guard does nothing on a single rank")
     import torch
 
-    args = {"iters": a.iters, "rounds": a.rounds, "warmup": a.warmup, "queued": a.queued, "timeout_s": a.timeout_s}
+    if a.kinds[0] != "base":
+        ap.error("--kinds must start with base")
+    args = {"iters": a.iters, "rounds": a.rounds, "warmup": a.warmup, "queued": a.queued, "timeout_s": a.timeout_s,
+            "kinds": tuple(a.kinds)}
     load_start = os.getloadavg()
     rows = []
     for tp in a.tp:
@@ -307,7 +326,9 @@ def main() -> int:
             "top_only = guard with the poll MIN-reduced through dsv4_sm120.guard.poll_reduce (the plugin's hook on "
             "_all_reduce_polls: shared memory); top_batch = top_only + the second agreement (batch_check, no batch "
             "formed) after the poll; package = top_batch + the waiting and in-flight poll-site agreements "
-            "(queue_check, empty queues): an idle iteration as shipped; second_agreement_us = top_batch - top_only; "
+            "(queue_check, empty queues): an idle iteration as shipped; second_agreement_us = top_batch - top_only "
+            "(per-iteration medians); us_inside_second_agreement = time inside the batch check's call in top_batch "
+            "(median over rounds of the median over ranks, waiting for the slowest rank included); "
             "guard_gloo = guard with the agreement forced onto the gloo channel; snapshot_only / agree_only = "
             "the guard's queue reading alone / its shared-memory agreement on a fixed vector alone. "
             f"{a.warmup} warm-up iterations of each, then {a.rounds} rounds of {a.iters} iterations of each "
@@ -323,17 +344,16 @@ def main() -> int:
         "queued_requests": a.queued,
         "load_average_start": load_start,
         "load_average_end": os.getloadavg(),
+        "kinds": list(a.kinds),
         "tp": [r["tp"] for r in rows],
-        "us_per_iter_guard": [r["us_per_iter_guard"] for r in rows],
-        "us_per_iter_base": [r["us_per_iter_base"] for r in rows],
-        "us_per_iter_guard_gloo": [r["us_per_iter_guard_gloo"] for r in rows],
-        "guard_cost_us": [r["guard_cost_us"] for r in rows],
-        "us_per_iter_package": [r["us_per_iter_package"] for r in rows],
-        "package_cost_us": [r["package_cost_us"] for r in rows],
-        "second_agreement_us": [r["second_agreement_us"] for r in rows],
-        "later_agreements_us": [r["later_agreements_us"] for r in rows],
         "results": rows,
     }
+    for key in ("us_per_iter_base", "us_per_iter_package", "package_cost_us", "package_ratio",
+                "second_agreement_us", "us_inside_second_agreement", "later_agreements_us",
+                "us_per_iter_guard", "guard_cost_us", "us_per_iter_guard_gloo"):
+        if all(key in r for r in rows):
+            out[key] = [r[key] for r in rows]
+    out["results"] = out.pop("results")  # last, after the headline lists
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(out, indent=2) + "\n")

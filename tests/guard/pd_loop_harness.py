@@ -916,8 +916,20 @@ def run_group(world: int, jobs: list, timeout_s: float = 20.0, env: dict | None 
     """Fork ``world`` ranks (from this process, which has already imported sglang) and run ``jobs``.
 
     Returns ``{seed: [RankResult per rank]}`` plus ``"exits"``; a rank that neither answered nor exited by ``wall_s``
-    is killed and reported as a hang.
+    is killed and reported as a hang. A group whose rendezvous port was taken between ``free_port``
+    and rank 0's bind (the machine is shared: EADDRINUSE before any job ran) is started again on
+    another port, up to twice.
     """
+    for attempt in range(3):
+        results = _run_group_once(world, jobs, timeout_s, env, wall_s)
+        lost_port = results.get(None)
+        if attempt == 2 or not lost_port or not any(
+                r is not None and r.status == "error" and "EADDRINUSE" in (r.detail or "") for r in lost_port):
+            return results
+    return results
+
+
+def _run_group_once(world: int, jobs: list, timeout_s: float, env: dict | None, wall_s: float):
     import multiprocessing as mp
 
     ctx = mp.get_context("fork")

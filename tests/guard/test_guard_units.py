@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import time
 import types
 from types import SimpleNamespace
 
@@ -92,3 +94,85 @@ def test_counters_reach_prometheus_when_upstream_metrics_are_on():
     assert REGISTRY.get_sample_value("sglang:dsv4_guard_divergences_seen_total", {"loop": "decode"}) == 1
     assert REGISTRY.get_sample_value("sglang:dsv4_guard_requests_aborted_total", {"loop": "decode"}) == 3
     assert c.line() == "seen=1 reconciled=0 aborted=3 fail_fasts=0"
+
+
+def _prefill_stand_in(n: int) -> SimpleNamespace:
+    reqs = [SimpleNamespace(rid=f"r{i}") for i in range(n)]
+    return SimpleNamespace(disagg_prefill_bootstrap_queue=SimpleNamespace(queue=reqs[: n // 2]),
+                           waiting_queue=reqs[n // 2 :], disagg_prefill_inflight_queue=[], last_batch=None,
+                           running_batch=None, chunked_req=None, result_queue=[], _deferred_input_requests=[])
+
+
+def test_cached_vectors_equal_fresh_snapshots_after_every_kind_of_queue_change():
+    """The per-iteration vectors come from digests cached by item identity; after each change a
+    queue can see (append, pop, reorder, slice assignment, an equal-id stand-in, the chunked request,
+    the last batch, a new batch) they must equal what a fresh snapshot computes."""
+    s = _prefill_stand_in(8)
+    d = snapshot.Digests()
+    extra = SimpleNamespace(rid="x")
+
+    def same():
+        assert snapshot.top_vector(s, "prefill", d) == snapshot.take(s, "prefill").vector()
+        for name in snapshot.PREFILL_QUEUES:
+            assert snapshot.queue_vector(s, "prefill", name, d) == snapshot.take_queue(s, "prefill", name).vector()
+
+    changes = [
+        lambda: None,
+        lambda: s.waiting_queue.append(extra),
+        lambda: s.waiting_queue.pop(0),
+        lambda: s.waiting_queue.reverse(),
+        lambda: s.disagg_prefill_bootstrap_queue.queue.__setitem__(slice(None), s.disagg_prefill_bootstrap_queue.queue[1:]),
+        lambda: s.disagg_prefill_inflight_queue.extend(s.waiting_queue[:2]),
+        lambda: s.waiting_queue.__setitem__(0, SimpleNamespace(rid=s.waiting_queue[0].rid)),  # same id, new object
+        lambda: s.waiting_queue.__setitem__(0, SimpleNamespace(rid="other")),
+        lambda: setattr(s, "chunked_req", extra),
+        lambda: setattr(s, "chunked_req", s.waiting_queue[0]),
+        lambda: setattr(s, "last_batch", SimpleNamespace(reqs=list(s.waiting_queue))),
+        lambda: s.last_batch.reqs.pop(),
+        lambda: setattr(s, "running_batch", s.last_batch),
+        lambda: setattr(s, "last_batch", None),
+        lambda: s.waiting_queue.clear(),
+    ]
+    for change in changes:
+        change()
+        same()
+        same()  # twice: the second read comes from the cache
+    a, b = SimpleNamespace(reqs=[extra, s.disagg_prefill_bootstrap_queue.queue[0]]), None
+    for batch in (a, SimpleNamespace(reqs=list(reversed(a.reqs))), a, b):
+        assert snapshot.batch_vector(batch, d) == snapshot.batch_vector(batch)
+
+
+def _slots(world: int, width: int, counted: bool = False):
+    import mmap
+
+    from dsv4_sm120.guard import consensus
+
+    mm = mmap.mmap(-1, 2 * world * 8 * (width + 2))
+    return [consensus._Slots(mm, 0, world, width, r, [os.getpid()] * world, counted=counted) for r in range(world)]
+
+
+def test_shared_memory_row_copied_mid_store_is_read_again_not_trusted():
+    """A peer's row whose sequence is visible but whose payload and check word are not (a copy that
+    raced its writer) is never taken for that peer's answer: the reader looks again until it is whole."""
+    import threading
+
+    me, peer = _slots(2, 4)
+    peer.publish(1, [7, 7, 7, 7], 4)
+    off = peer.offsets[1][1]
+    me.mm[off + 16 : off + 24] = (9).to_bytes(8, "little")  # the first payload word not yet stored
+    fixed = threading.Timer(0.05, lambda: peer.publish(1, [7, 7, 7, 7], 4))
+    fixed.start()
+    t0 = time.perf_counter()
+    rows = me.exchange(1, [7, 7, 7, 7])
+    assert time.perf_counter() - t0 >= 0.04
+    assert [me.words(r) for r in rows] == [(7, 7, 7, 7)] * 2
+
+
+def test_poll_rows_of_different_lengths_are_read_whole_and_reported():
+    """Poll reductions carry their own length; a rank reducing a longer list than its peer reads the
+    peer's shorter row whole (instead of waiting on stale words past its end) and sees the lengths."""
+    me, peer = _slots(2, 8, counted=True)
+    peer.publish(1, [2, 5, 5, 5, 5], 5)  # an earlier, longer operation of the same parity
+    peer.publish(3, [1, 4], 2)
+    rows = me.exchange(3, [3, 1, 2, 3], used=4)
+    assert [me.words(r) for r in rows] == [(3, 1, 2, 3), (1, 4)]

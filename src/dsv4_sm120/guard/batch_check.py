@@ -50,7 +50,7 @@ def _checked(scheduler, plan, undo):
     state = loop_guard.active(scheduler)
     if state is None:
         return plan
-    vector = snapshot.batch_vector(plan.batch_to_run)
+    vector = snapshot.batch_vector(plan.batch_to_run, state.digests)
     for agreement in state.groups:
         try:
             bad = loop_guard.exchange_at(agreement, "batch", vector, state.loop, state.rank)
@@ -84,7 +84,8 @@ def _undo_prefill(scheduler, state, agreement, batch) -> None:
         scheduler.chunked_req = None
     scheduler.waiting_queue = back + scheduler.waiting_queue
     loop_guard.agree(scheduler, state, lambda: snapshot.take_queue(scheduler, "prefill", "waiting"), "waiting",
-                     "after the disagreeing batch went back to the waiting queue")
+                     "after the disagreeing batch went back to the waiting queue",
+                     lambda: snapshot.queue_vector(scheduler, "prefill", "waiting", state.digests))
 
 
 def _undo_decode(scheduler, state, agreement, batch) -> None:

@@ -65,6 +65,7 @@ class _State:
         self.groups = [consensus.Agreement(g) for g in consensus.groups_of(scheduler)] if self.enabled else []
         self.rank = tp_rank_of(scheduler)
         self.loop = loop
+        self.digests = snapshot.Digests()  # queue digests, recomputed only when a queue changed
         reporter = getattr(scheduler, "metrics_reporter", None)
         if self.enabled and getattr(reporter, "enable_metrics", False) and not counters._prom:
             counters.enable_metrics(loop)
@@ -82,17 +83,21 @@ def check_iteration(scheduler, loop: str) -> None:
     if state is None:
         state = scheduler.__dict__["_dsv4_guard"] = _State(scheduler, loop)
     if state.groups:
-        agree(scheduler, state, lambda: snapshot.take(scheduler, loop), "top", "at the top of the iteration")
+        agree(scheduler, state, lambda: snapshot.take(scheduler, loop), "top", "at the top of the iteration",
+              lambda: snapshot.top_vector(scheduler, loop, state.digests))
 
 
-def agree(scheduler, state: _State, take, point: str, where: str) -> None:
+def agree(scheduler, state: _State, take, point: str, where: str, vector=None) -> None:
     """Bring what ``take()`` snapshots at guard point ``point`` into agreement on every group, or fail fast.
 
     ``take`` returns a ``snapshot.Snapshot``; its queues are reconciled, its scalars must be equal.
+    ``vector``, when given, returns ``take().vector()`` more cheaply (cached digests); the full
+    snapshot is then taken only when the ranks disagree.
     """
+    vector = vector or (lambda: take().vector())
     for agreement in state.groups:
         try:
-            _agree(scheduler, state.loop, agreement, state.rank, take, point, where)
+            _agree(scheduler, state.loop, agreement, state.rank, take, vector, point, where)
         except consensus.PeerLost as e:
             _fail_fast(state.loop, state.rank, [], [], str(e))
 
@@ -108,11 +113,11 @@ def exchange_at(agreement: consensus.Agreement, point: str, vector: list[int], l
     return [i - 1 for i in bad]
 
 
-def _agree(scheduler, loop: str, agreement: consensus.Agreement, rank: int, take, point: str, where: str) -> None:
+def _agree(scheduler, loop: str, agreement: consensus.Agreement, rank: int, take, vector, point: str,
+           where: str) -> None:
     seen = False
     for _ in range(MAX_ROUNDS):
-        snap = take()
-        bad = exchange_at(agreement, point, snap.vector(), loop, rank)
+        bad = exchange_at(agreement, point, vector(), loop, rank)
         if not bad:
             if seen:
                 counters.add("divergences_reconciled")
@@ -122,6 +127,7 @@ def _agree(scheduler, loop: str, agreement: consensus.Agreement, rank: int, take
         if not seen:
             seen = True
             counters.add("divergences_seen")
+        snap = take()  # the same state the vector came from: nothing ran in between
         gathered = agreement.gather(_exchange(scheduler, loop, snap))
         labels = snap.labels()
         if any(g["scalars"] != gathered[0]["scalars"] for g in gathered):

@@ -38,7 +38,8 @@ def agree_on_queue(scheduler, name: str) -> None:
     state = loop_guard.active(scheduler)
     if state is not None:
         loop_guard.agree(scheduler, state, lambda: snapshot.take_queue(scheduler, state.loop, name), name,
-                         f"before the {name} queue's poll")
+                         f"before the {name} queue's poll",
+                         lambda: snapshot.queue_vector(scheduler, state.loop, name, state.digests))
 
 
 def hook_for(name: str, on_queue_object: bool):

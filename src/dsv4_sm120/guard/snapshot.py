@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from operator import is_
 
 DIGEST_BITS = 62  # a non-negative int64 with room to spare
 
@@ -62,6 +63,60 @@ def digest(rids: list[str]) -> int:
     return int.from_bytes(h, "little") >> (64 - DIGEST_BITS)
 
 
+class Digests:
+    """Per scheduler: each queue's id digest, recomputed only when the queue's items changed.
+
+    The vectors the ranks compare every iteration are a function of the request ids in each queue,
+    in order. Reading every id and hashing them again each time is most of an agreement's local
+    work; instead the items last digested are kept (which also keeps their ``id()`` from being
+    reused) and compared by identity, one C-level pass. A request's id never changes (upstream sets
+    ``Req.rid`` once, in ``__init__``; a decode queue item wraps one ``Req`` for life), so the same
+    items in the same order have the same ids and digest. ``tests/guard/test_guard_units.py``
+    checks the cached vectors against fresh snapshots after every kind of queue change.
+    """
+
+    __slots__ = ("_items", "_digest")
+
+    def __init__(self):
+        self._items: dict[str, tuple] = {}
+        self._digest: dict[str, int] = {}
+
+    def of(self, key: str, items) -> int:
+        """``digest`` of the ids of ``items`` (a sequence of queue items or requests)."""
+        old = self._items.get(key)
+        if old is not None and len(old) == len(items) and all(map(is_, old, items)):
+            return self._digest[key]
+        kept = tuple(items)
+        value = digest([rid_of(x) for x in kept])
+        self._items[key], self._digest[key] = kept, value
+        return value
+
+
+def top_vector(scheduler, loop: str, digests: Digests) -> list[int]:
+    """``take(scheduler, loop).vector()``, from cached digests: what the first agreement compares."""
+    out = []
+    for name in PREFILL_QUEUES if loop == "prefill" else DECODE_QUEUES:
+        items = queue_items(scheduler, loop, name)
+        out += (len(items), digests.of(name, items))
+    last = getattr(scheduler, "last_batch", None)
+    chunked = getattr(scheduler, "chunked_req", None)
+    out += (
+        digests.of("chunked_req", () if chunked is None else (chunked,)),
+        int(bool(last)),
+        # decode's last batch is its running batch, a queue reconciled above; any other is not
+        0 if last is None or last is getattr(scheduler, "running_batch", None) else digests.of("last_batch", last.reqs),
+        len(getattr(scheduler, "result_queue", ()) or ()),
+        len(getattr(scheduler, "_deferred_input_requests", ()) or ()),
+    )
+    return out
+
+
+def queue_vector(scheduler, loop: str, name: str, digests: Digests) -> list[int]:
+    """``take_queue(scheduler, loop, name).vector()``, from cached digests."""
+    items = queue_items(scheduler, loop, name)
+    return [len(items), digests.of(name, items)]
+
+
 @dataclass
 class Snapshot:
     loop: str
@@ -107,11 +162,12 @@ BATCH_FIELDS = ("batch.present", "batch.forward_mode", "batch.size", "batch.dige
                 "batch.seq_lens_sum")
 
 
-def batch_vector(batch) -> list[int]:
+def batch_vector(batch, digests: Digests | None = None) -> list[int]:
     """What decides the forward's collectives: whether it runs, its mode, its requests, its token counts."""
     if not batch:
         return [0] * len(BATCH_FIELDS)
-    rids = _batch_rids(batch)
+    reqs = getattr(batch, "reqs", ())
     mode = getattr(batch, "forward_mode", None)
-    return [1, -1 if mode is None else int(mode), len(rids), digest(rids),
+    return [1, -1 if mode is None else int(mode), len(reqs),
+            digest(_batch_rids(batch)) if digests is None else digests.of("batch", reqs),
             int(getattr(batch, "extend_num_tokens", None) or 0), int(getattr(batch, "seq_lens_sum", None) or 0)]
