@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 from dsv4_sm120.kernels.index_k_store import store_index_k_bf16, store_index_k_bf16_ref  # noqa: E402
 from dsv4_sm120.kernels.index_query import index_query_bf16, index_query_bf16_ref  # noqa: E402
-from dsv4_sm120.kernels.mqa_logits import bf16_paged_mqa_logits, paged_mqa_logits_ref  # noqa: E402
+from dsv4_sm120.kernels.mqa_logits import bf16_paged_mqa_logits, decode_splits, paged_mqa_logits_ref  # noqa: E402
 
 H, D, PAGE, TOPK = 64, 128, 64, 512
 CAPTURE_WIDTH = 262144  # a 1M-token context: upstream's decode logits width is the capture width
@@ -176,22 +176,124 @@ def timed_pair(peer, q, w, pages, sl, pt, width, rounds=3, **kw):
 
 
 # ----------------------------------------------------------------------------- sections
+ROTATE_BYTES = 512 << 20  # key bytes a CUDA graph of decode launches reads: several times the 60 MB L2
+
+
+def rotation_count(b, live):
+    """How many independent page draws a decode graph rotates through so no launch finds its keys in L2."""
+    return max(4, min(200, math.ceil(ROTATE_BYTES / (b * live * D * 2))))
+
+
+def _capture(fns):
+    """One CUDA graph that runs fns in order (each warmed up eagerly first on a side stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    return graph
+
+
+def _replay_ms(graph, n_calls, reps=5):
+    """Median over reps of one replay's time divided by the launches it holds."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / n_calls)
+    return sorted(times)[len(times) // 2]
+
+
+def timed_pair_graph(peer, draws, pages, sl, width, rounds=3, **kw):
+    """Decode timing as in serving: each kernel's launches in one CUDA graph, over rotating page draws.
+
+    ``draws`` is a list of (q, w, page_table) with independent random pages, so back-to-back launches
+    read keys from HBM, not from L2 (do_bench's L2 flush plus host launch time made 10 us kernels read
+    20-60 us here). Both kernels see the same draws; rounds alternate between them. If upstream's
+    kernel cannot be captured, both are timed with do_bench instead (``timing`` says which).
+    """
+    if g._DRY["on"]:
+        q, w, pt = draws[0]
+        return timed_pair(peer, q, w, pages, sl, pt, width, rounds=1, **kw)
+    q0, w0, pt0 = draws[0]
+    out = torch.full((q0.shape[0], width), float("nan"), device=DEV)
+    bf16_paged_mqa_logits(q0, pages, w0, sl, pt0, width, out=out, **kw)
+    scratch = torch.empty_like(out)
+    ours = [(lambda q=q, w=w, pt=pt: bf16_paged_mqa_logits(q, pages, w, sl, pt, width, out=scratch, **kw))
+            for q, w, pt in draws]
+    graphs = {"ours": _capture(ours)}
+    res = {"fp8_ms": None, "ratio": None, "timing": "cuda_graph", "draws": len(draws)}
+    theirs_out = None
+    if peer is not None:
+        try:
+            prepared = [peer.prepare(q, w) + (pt,) for q, w, pt in draws]
+            q8, w8, _ = prepared[0]
+            theirs_out = peer(q8, w8, sl, pt0, width)
+            graphs["fp8"] = _capture([(lambda q8=q8, w8=w8, pt=pt: peer(q8, w8, sl, pt, width))
+                                      for q8, w8, pt in prepared])
+        except Exception as exc:
+            res["fp8_graph_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            del graphs
+            torch.cuda.synchronize()
+            r, o = timed_pair(peer, q0, w0, pages, sl, pt0, width, rounds=rounds, **kw)
+            r.update(timing="do_bench", fp8_graph_error=res["fp8_graph_error"])
+            return r, o
+    g.preheat()
+    times = {k: [] for k in graphs}
+    for _ in range(rounds):
+        for k, gr in graphs.items():
+            times[k].append(_replay_ms(gr, len(draws)))
+    for k, ts in times.items():
+        res[f"{k}_ms"] = sorted(ts)[len(ts) // 2]
+        res[f"{k}_ms_rounds"] = ts
+    if theirs_out is not None:
+        res["ratio"] = res["ours_ms"] / res["fp8_ms"]
+        res.update(peer_agreement(out, theirs_out, sl))
+    del graphs, scratch, theirs_out
+    torch.cuda.synchronize()
+    return res, out
+
+
+def decode_draws(pool, b, live, gen, n, rows_per_req=1):
+    """n independent (q, w, page_table at the capture width) draws; rows_per_req rows share a request's table."""
+    draws = []
+    for _ in range(n):
+        q, w, _, pt = case(pool.shape[0], b, [live] * b, SIZES["width"], gen)
+        if rows_per_req > 1:
+            q, w, pt = (x.repeat_interleave(rows_per_req, 0) for x in (q, w, pt))
+        draws.append((q, w, pt))
+    return draws
+
+
 def decode_section(peer, pool, gen, read_gbps):
     rows_out = []
     for b in SIZES["decode_b"]:
         for live in SIZES["decode_live"]:
-            # one draw per (batch, live keys): both widths read the same pages, so only the width differs
-            q, w, sl, pt_wide = case(pool.shape[0], b, [live] * b, SIZES["width"], gen)
+            # one set of draws per (batch, live keys): both widths read the same pages, so only the width differs
+            draws = decode_draws(pool, b, live, gen, rotation_count(b, live))
+            sl = torch.full((b,), live, dtype=torch.int32, device=DEV)
             for width in sorted({live, SIZES["width"]}):
-                pt = pt_wide[:, : math.ceil(width / PAGE)].contiguous()
-                res, out = timed_pair(peer, q, w, pool, sl, pt, width)
+                cut = [(q, w, pt[:, : math.ceil(width / PAGE)].contiguous()) for q, w, pt in draws]
+                res, out = timed_pair_graph(peer, cut, pool, sl, width)
                 res.update(shape="decode", B=b, live=live, width=width)
+                q, w, pt = cut[0]
                 res["check"] = check_rows(out, q, pool, w, sl, pt, width, list(range(min(b, SIZES["check_rows"]))))
                 nbytes = b * live * D * 2 + b * live * 4 + q.numel() * 2  # keys, logits written, queries
                 res["hbm_fraction"] = nbytes / (res["ours_ms"] * 1e6) / read_gbps
+                res["fp8_hbm_fraction"] = (b * live * (D + 4) + b * live * 4 + q.numel()) / (
+                    res["fp8_ms"] * 1e6) / read_gbps if res.get("fp8_ms") else None
                 rows_out.append(res)
                 print(_row_text(res), flush=True)
-                del out
+                del out, cut
+            del draws
     return rows_out
 
 
@@ -199,18 +301,18 @@ def verify_section(peer, pool, gen):
     rows_out = []
     for b, live in SIZES["verify"]:
         lens = [n for _ in range(b) for n in (live - 1, live)]  # next_n = 2 draft rows per request
-        q, w, _, pt_wide = case(pool.shape[0], b, [live], SIZES["width"], gen)
-        pt_wide = pt_wide.repeat_interleave(2, dim=0)  # both rows of a request read its page table
-        q, w = q.repeat_interleave(2, 0), w.repeat_interleave(2, 0)
+        draws = decode_draws(pool, b, live, gen, rotation_count(b, live), rows_per_req=2)
         sl = torch.as_tensor(lens, dtype=torch.int32, device=DEV)
         for width in sorted({live, SIZES["width"]}):
-            pt = pt_wide[:, : math.ceil(width / PAGE)].contiguous()
-            res, out = timed_pair(peer, q, w, pool, sl, pt, width)
+            cut = [(q, w, pt[:, : math.ceil(width / PAGE)].contiguous()) for q, w, pt in draws]
+            res, out = timed_pair_graph(peer, cut, pool, sl, width)
             res.update(shape="target_verify", B=b, next_n=2, rows=2 * b, live=live, width=width)
+            q, w, pt = cut[0]
             res["check"] = check_rows(out, q, pool, w, sl, pt, width, [0, 1])
             rows_out.append(res)
             print(_row_text(res), flush=True)
-            del out
+            del out, cut
+        del draws
     return rows_out
 
 
@@ -274,91 +376,117 @@ TUNE_DECODE_SHAPES = ((1, 4096, CAPTURE_WIDTH), (1, 32768, CAPTURE_WIDTH), (1, 1
                       (8, 4096, CAPTURE_WIDTH), (8, 32768, CAPTURE_WIDTH), (8, 131072, CAPTURE_WIDTH),
                       (64, 4096, CAPTURE_WIDTH), (64, 32768, CAPTURE_WIDTH), (256, 4096, CAPTURE_WIDTH),
                       (256, 32768, CAPTURE_WIDTH), (1, 32768, 32768), (8, 4096, 4096), (256, 4096, 4096))
-TUNE_DECODE = [dict(programs=p, min_tiles=mt, tile_pages=tp, num_stages=ns, num_warps=4)
-               for p in (264, 528, 1056, 2048) for mt in (1, 2, 4) for tp in (1, 2) for ns in (3, 4, 6)]
-TUNE_PREFILL = [dict(rows_per_program=r, num_warps=nw, num_stages=ns) for r in (1, 2, 4) for nw in (4, 8)
-                for ns in (2, 3, 4)]
+TUNE_DECODE = ([dict(programs=None, min_tiles=mt, tile_pages=1, num_stages=ns, num_warps=4)
+                for mt in (1, 2) for ns in (4, 6, 8)]
+               + [dict(programs=None, min_tiles=1, tile_pages=2, num_stages=6, num_warps=4)]
+               + [dict(programs=p, min_tiles=1, tile_pages=1, num_stages=6, num_warps=4) for p in (264, 528)]
+               + [dict(programs=2048, min_tiles=4, tile_pages=1, num_stages=4, num_warps=4)])  # the b2a782d default
+TUNE_PREFILL = ([dict(rows_per_program=1, num_warps=4, num_stages=3)]
+                + [dict(rows_per_program=r, num_warps=nw, num_stages=ns) for r in (4, 8) for nw in (4, 8)
+                   for ns in (2, 3, 4)])
+TUNE_PREFILL_LONG = [dict(rows_per_program=1, num_warps=4, num_stages=3), dict(rows_per_program=4, num_warps=4, num_stages=3),
+                     dict(rows_per_program=4, num_warps=4, num_stages=4), dict(rows_per_program=8, num_warps=8, num_stages=2),
+                     dict(rows_per_program=8, num_warps=8, num_stages=3)]
 
 
 def _decode_splits(rows, width, programs, min_tiles, tile_pages):
     return max(1, min(math.ceil(programs / rows), math.ceil(width / (PAGE * tile_pages * min_tiles))))
 
 
-def tune_section(peer, pool, gen, rep=30):
-    """Launch configurations of our kernel beside upstream's fp8 kernel, decode and prefill (one call)."""
+def tune_section(peer, pool, gen, rep=60):
+    """Launch configurations of our kernel beside upstream's fp8 kernel: decode timed in CUDA graphs over
+    rotating page draws (as timed_pair_graph), prefill with do_bench."""
     out = {"decode": [], "prefill": []}
     dry = g._DRY["on"]
     dec_shapes = TUNE_DECODE_SHAPES if not dry else ((2, 256, 1024),)
     for b, live, width in dec_shapes:
-        q, w, sl, pt = case(pool.shape[0], b, [live] * b, width, gen)
+        n = rotation_count(b, live) if not dry else 1
+        draws = [(q, w, pt[:, : math.ceil(width / PAGE)].contiguous())
+                 for q, w, pt in decode_draws(pool, b, live, gen, n)]
+        sl = torch.full((b,), live, dtype=torch.int32, device=DEV)
+        q0, w0, pt0 = draws[0]
         buf = torch.empty((b, width), device=DEV)
         ref = torch.full((b, width), float("nan"), device=DEV)
-        bf16_paged_mqa_logits(q, pool, w, sl, pt, width, out=ref)
+        bf16_paged_mqa_logits(q0, pool, w0, sl, pt0, width, out=ref)
         live_mask = torch.arange(width, device=DEV)[None, :] < sl[:, None]
-        entry = {"B": b, "live": live, "width": width, "fp8_ms": [], "configs": []}
-        fp8 = None
-        if peer is not None:
-            q8, w8 = peer.prepare(q, w)
-            fp8 = lambda: peer(q8, w8, sl, pt, width)  # noqa: E731
+        entry = {"B": b, "live": live, "width": width, "draws": n, "fp8_ms": [], "configs": []}
+        fp8_graph = None
+        if peer is not None and not dry:
+            try:
+                prepared = [peer.prepare(q, w) + (pt,) for q, w, pt in draws]
+                fp8_graph = _capture([(lambda q8=q8, w8=w8, pt=pt: peer(q8, w8, sl, pt, width)) for q8, w8, pt in prepared])
+            except Exception as exc:
+                entry["fp8_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         g.preheat()
-        if fp8 is not None:
-            entry["fp8_ms"].append(g.median_ms(fp8, rep=rep))
+        if fp8_graph is not None:
+            entry["fp8_ms"].append(_replay_ms(fp8_graph, n))
         for cfg in (TUNE_DECODE if not dry else TUNE_DECODE[:2]):
             c = dict(cfg)
             progs = c.pop("programs")
-            c["splits"] = _decode_splits(b, width, progs, c["min_tiles"], c["tile_pages"])
+            if progs is None:  # the kernel's own wave-filling choice
+                c["splits"] = decode_splits(b, width, device=pool.device, num_stages=c["num_stages"],
+                                            min_tiles=c["min_tiles"], tile_pages=c["tile_pages"])
+            else:
+                c["splits"] = _decode_splits(b, width, progs, c["min_tiles"], c["tile_pages"])
             try:
                 buf.fill_(float("nan"))
-                bf16_paged_mqa_logits(q, pool, w, sl, pt, width, out=buf, **c)
+                bf16_paged_mqa_logits(q0, pool, w0, sl, pt0, width, out=buf, **c)
                 err = float((buf[live_mask] - ref[live_mask]).norm() / ref[live_mask].norm())
-                ms = g.median_ms(lambda: bf16_paged_mqa_logits(q, pool, w, sl, pt, width, out=buf, **c), rep=rep)
+                if dry:
+                    ms = g.median_ms(lambda: bf16_paged_mqa_logits(q0, pool, w0, sl, pt0, width, out=buf, **c))
+                else:
+                    gr = _capture([(lambda q=q, w=w, pt=pt: bf16_paged_mqa_logits(q, pool, w, sl, pt, width, out=buf, **c))
+                                   for q, w, pt in draws])
+                    ms = _replay_ms(gr, n)
+                    del gr
                 entry["configs"].append({"programs": progs, **c, "ms": ms, "err_vs_default": err})
             except Exception as exc:
                 entry["configs"].append({"programs": progs, **c, "error": f"{type(exc).__name__}: {str(exc)[-300:]}"})
-        if fp8 is not None:
-            entry["fp8_ms"].append(g.median_ms(fp8, rep=rep))
+        if fp8_graph is not None:
+            entry["fp8_ms"].append(_replay_ms(fp8_graph, n))
         ok = [c for c in entry["configs"] if "ms" in c]
         best = min(ok, key=lambda c: c["ms"])
         fp8_ms = sorted(entry["fp8_ms"])[0] if entry["fp8_ms"] else None
         print(f"tune decode B={b} live={live} width={width} fp8 {entry['fp8_ms']} best {best}"
               + (f" ratio {best['ms'] / fp8_ms:.3f}" if fp8_ms else ""), flush=True)
         out["decode"].append(entry)
-        del q, w, sl, pt, buf, ref
-    pre = SIZES["prefill"][:1]
-    for n in pre:
-        for kind in ("dense", "causal"):
-            lens = [n] * n if kind == "dense" else list(range(1, n + 1))
-            q, w, sl, pt = case(pool.shape[0], n, lens, n, gen, shared=True)
-            buf = torch.empty((n, n), device=DEV)
-            ref = torch.full((n, n), float("nan"), device=DEV)
-            bf16_paged_mqa_logits(q, pool, w, sl, pt, n, out=ref, rows_per_program=1)
-            live_mask = torch.isfinite(ref)
-            flops = 2.0 * float(sl.double().sum()) * H * D
-            entry = {"kind": kind, "rows": n, "fp8_ms": [], "configs": []}
-            fp8 = None
-            if peer is not None:
-                q8, w8 = peer.prepare(q, w)
-                fp8 = lambda: peer(q8, w8, sl, pt, n)  # noqa: E731
-            g.preheat()
-            if fp8 is not None:
-                entry["fp8_ms"].append(g.median_ms(fp8, rep=60))
-            for cfg in TUNE_PREFILL if not dry else TUNE_PREFILL[:2]:
-                try:
-                    buf.fill_(float("nan"))
-                    bf16_paged_mqa_logits(q, pool, w, sl, pt, n, out=buf, **cfg)
-                    err = float((buf[live_mask] - ref[live_mask]).norm() / ref[live_mask].norm())
-                    ms = g.median_ms(lambda: bf16_paged_mqa_logits(q, pool, w, sl, pt, n, out=buf, **cfg), rep=60)
-                    entry["configs"].append({**cfg, "ms": ms, "tflops": flops / ms / 1e9, "err_vs_r1": err})
-                except Exception as exc:
-                    entry["configs"].append({**cfg, "error": f"{type(exc).__name__}: {str(exc)[-300:]}"})
-                print("tune prefill", kind, n, entry["configs"][-1], flush=True)
-            if fp8 is not None:
-                entry["fp8_ms"].append(g.median_ms(fp8, rep=60))
-            print("tune prefill fp8", kind, n, entry["fp8_ms"], flush=True)
-            out["prefill"].append(entry)
-            del q, w, sl, pt, buf, ref
-            if DEV == "cuda":
-                torch.cuda.empty_cache()
+        del draws, buf, ref, fp8_graph
+    pre = [(SIZES["prefill"][0], kind, TUNE_PREFILL) for kind in ("dense", "causal")]
+    if not dry:
+        pre += [(SIZES["prefill"][-1], kind, TUNE_PREFILL_LONG) for kind in ("dense", "causal")]
+    for n, kind, cfgs in pre:
+        lens = [n] * n if kind == "dense" else list(range(1, n + 1))
+        q, w, sl, pt = case(pool.shape[0], n, lens, n, gen, shared=True)
+        buf = torch.empty((n, n), device=DEV)
+        ref = torch.full((n, n), float("nan"), device=DEV)
+        bf16_paged_mqa_logits(q, pool, w, sl, pt, n, out=ref, rows_per_program=1)
+        live_mask = torch.isfinite(ref)
+        flops = 2.0 * float(sl.double().sum()) * H * D
+        entry = {"kind": kind, "rows": n, "fp8_ms": [], "configs": []}
+        fp8 = None
+        if peer is not None:
+            q8, w8 = peer.prepare(q, w)
+            fp8 = lambda: peer(q8, w8, sl, pt, n)  # noqa: E731
+        g.preheat()
+        if fp8 is not None:
+            entry["fp8_ms"].append(g.median_ms(fp8, rep=rep))
+        for cfg in cfgs if not dry else cfgs[:2]:
+            try:
+                buf.fill_(float("nan"))
+                bf16_paged_mqa_logits(q, pool, w, sl, pt, n, out=buf, **cfg)
+                err = float((buf[live_mask] - ref[live_mask]).norm() / ref[live_mask].norm())
+                ms = g.median_ms(lambda: bf16_paged_mqa_logits(q, pool, w, sl, pt, n, out=buf, **cfg), rep=rep)
+                entry["configs"].append({**cfg, "ms": ms, "tflops": flops / ms / 1e9, "err_vs_r1": err})
+            except Exception as exc:
+                entry["configs"].append({**cfg, "error": f"{type(exc).__name__}: {str(exc)[-300:]}"})
+            print("tune prefill", kind, n, entry["configs"][-1], flush=True)
+        if fp8 is not None:
+            entry["fp8_ms"].append(g.median_ms(fp8, rep=rep))
+        print("tune prefill fp8", kind, n, entry["fp8_ms"], flush=True)
+        out["prefill"].append(entry)
+        del q, w, sl, pt, buf, live_mask, ref
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
     return out
 
 

@@ -35,13 +35,49 @@ import triton.language as tl
 from dsv4_sm120.kernels._common import interpreting
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, check_pages
 
-# Launch defaults; the H200 sweeps behind them are in bench/results/indexer_h200_2026-12-01*.json.
-TARGET_PROGRAMS = 2048  # decode: programs per launch when rows are few (split across each row's keys)
-MIN_TILES_PER_PROGRAM = 4  # decode: a program that scores fewer key tiles spends most of its time loading q
+# Launch defaults, from the H200 sweeps in bench/results/indexer_h200_2026-12-01*.json (tune_*: decode
+# timed in CUDA graphs over rotating page tables, prefill with do_bench).
+MIN_TILES_PER_PROGRAM = 1
 PREFILL_ROWS = 1024  # from this many query rows on, a program scores ROWS_PER_PROGRAM rows at once
-ROWS_PER_PROGRAM = 2
-DECODE_CONFIG = dict(num_warps=4, num_stages=4)
+ROWS_PER_PROGRAM = 4
+DECODE_CONFIG = dict(num_warps=4, num_stages=6)  # 6 stages: 3 key pages in flight per program
 PREFILL_CONFIG = dict(num_warps=4, num_stages=3)
+# Programs of the one-row kernel resident per multiprocessor, by pipeline depth, from the sm_90 build's shared
+# memory (q 16 KiB + num_stages / 2 key pages of 16 KiB: 49 / 66 / 82 KiB of 228 KiB); registers (72) do not bind.
+CTAS_PER_SM = {2: 6, 3: 4, 4: 4, 5: 3, 6: 3, 7: 2, 8: 2}
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda" or interpreting():
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def decode_splits(rows: int, max_seq_len: int, *, device: torch.device, num_stages: int, min_tiles: int = 1,
+                  tile_pages: int = 1) -> int:
+    """Programs per row for the one-row kernel: the fewest splits whose programs fill whole waves best.
+
+    A wave is ``CTAS_PER_SM[num_stages]`` programs on each multiprocessor. For rows whose keys fill the
+    width, time goes with (waves) x (tiles per program), so a split count whose programs end just under a
+    whole number of waves wins (e.g. 256 rows on 132 x 3 slots: 3 splits, 768 programs in 2 waves, beat 2
+    splits, 512 programs in 1.3 waves, by 11% on the H200); on a near tie, fewer waves. Never more splits than
+    the width has tiles.
+    """
+    slots = CTAS_PER_SM.get(num_stages, 2) * _sm_count(device)
+    max_splits = max(1, triton.cdiv(max_seq_len, PAGE_SLOTS * tile_pages * min_tiles))
+    upper = min(max_splits, max(1, (4 * slots) // rows))  # at most about 4 waves
+    best, best_score = 1, -1.0
+    for sp in range(1, upper + 1):
+        progs = rows * sp
+        waves = triton.cdiv(progs, slots)
+        score = progs / (waves * slots) - 0.01 * waves  # filled fraction of the waves; fewer waves on a tie
+        if score > best_score + 1e-9:
+            best, best_score = sp, score
+    return best
 
 
 @triton.jit
@@ -212,9 +248,9 @@ def bf16_paged_mqa_logits(
         grid = (triton.cdiv(rows, r), 1)
         splits = 1
     else:
-        if splits is None:  # split rows only when there are too few to fill the GPU; never past the width
-            splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, rows),
-                                triton.cdiv(max_seq_len, PAGE_SLOTS * tile_pages * min_tiles)))
+        if splits is None:
+            splits = decode_splits(rows, max_seq_len, device=q.device, num_stages=num_stages,
+                                   min_tiles=min_tiles, tile_pages=tile_pages)
         grid = (rows, int(splits))
     _logits_kernel[grid](
         q, weights, pages, seq_lens, page_table, out,
