@@ -376,11 +376,10 @@ TUNE_DECODE_SHAPES = ((1, 4096, CAPTURE_WIDTH), (1, 32768, CAPTURE_WIDTH), (1, 1
                       (8, 4096, CAPTURE_WIDTH), (8, 32768, CAPTURE_WIDTH), (8, 131072, CAPTURE_WIDTH),
                       (64, 4096, CAPTURE_WIDTH), (64, 32768, CAPTURE_WIDTH), (256, 4096, CAPTURE_WIDTH),
                       (256, 32768, CAPTURE_WIDTH), (1, 32768, 32768), (8, 4096, 4096), (256, 4096, 4096))
-TUNE_DECODE = ([dict(programs=None, min_tiles=mt, tile_pages=1, num_stages=ns, num_warps=4)
-                for mt in (1, 2) for ns in (4, 6, 8)]
-               + [dict(programs=None, min_tiles=1, tile_pages=2, num_stages=6, num_warps=4)]
-               + [dict(programs=p, min_tiles=1, tile_pages=1, num_stages=6, num_warps=4) for p in (264, 528)]
-               + [dict(programs=2048, min_tiles=4, tile_pages=1, num_stages=4, num_warps=4)])  # the b2a782d default
+TUNE_DECODE = ([dict(programs=None, min_tiles=mt, tile_pages=1, num_stages=ns, num_warps=4, early_q=eq, page_hint=ph)
+                for eq, ph in ((True, False), (False, True), (False, False))
+                for mt, ns in ((1, 4), (1, 6), (1, 8), (2, 6))]
+               + [dict(programs=264, min_tiles=1, tile_pages=1, num_stages=6, num_warps=4, early_q=True, page_hint=False)])
 TUNE_PREFILL = ([dict(rows_per_program=1, num_warps=4, num_stages=3)]
                 + [dict(rows_per_program=r, num_warps=nw, num_stages=ns) for r in (4, 8) for nw in (4, 8)
                    for ns in (2, 3, 4)])
@@ -393,7 +392,7 @@ def _decode_splits(rows, width, programs, min_tiles, tile_pages):
     return max(1, min(math.ceil(programs / rows), math.ceil(width / (PAGE * tile_pages * min_tiles))))
 
 
-def tune_section(peer, pool, gen, rep=60):
+def tune_section(peer, pool, gen, rep=60, prefill=True):
     """Launch configurations of our kernel beside upstream's fp8 kernel: decode timed in CUDA graphs over
     rotating page draws (as timed_pair_graph), prefill with do_bench."""
     out = {"decode": [], "prefill": []}
@@ -451,8 +450,8 @@ def tune_section(peer, pool, gen, rep=60):
               + (f" ratio {best['ms'] / fp8_ms:.3f}" if fp8_ms else ""), flush=True)
         out["decode"].append(entry)
         del draws, buf, ref, fp8_graph
-    pre = [(SIZES["prefill"][0], kind, TUNE_PREFILL) for kind in ("dense", "causal")]
-    if not dry:
+    pre = [(SIZES["prefill"][0], kind, TUNE_PREFILL) for kind in ("dense", "causal")] if prefill else []
+    if not dry and prefill:
         pre += [(SIZES["prefill"][-1], kind, TUNE_PREFILL_LONG) for kind in ("dense", "causal")]
     for n, kind, cfgs in pre:
         lens = [n] * n if kind == "dense" else list(range(1, n + 1))
@@ -560,6 +559,7 @@ def main():
     ap.add_argument("--tilelang", help="upstream's tilelang_kernel.py from the sglang==0.5.23 wheel")
     ap.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep")
     ap.add_argument("--tune-only", action="store_true", help="only the launch-configuration tuning (its own JSON)")
+    ap.add_argument("--tune-decode-only", action="store_true", help="with --tune-only: decode configurations only")
     ap.add_argument("--dry-cpu", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): checks the script")
     args = ap.parse_args()
     global DEV
@@ -587,7 +587,7 @@ def main():
     pool = torch.randn((pool_pages, PAGE, D), generator=gen, device=DEV).to(torch.bfloat16)
     peer = Fp8Peer(fn, fp8_pool(pool)) if fn is not None else None
     if args.tune_only:
-        result["tune"] = tune_section(peer, pool, gen)
+        result["tune"] = tune_section(peer, pool, gen, prefill=not args.tune_decode_only)
         path = Path(os.environ.get("OUT_JSON", "/tmp/indexer_tune_dry.json"))
         g.write_json(path, result)
         return

@@ -48,7 +48,8 @@ def _logits_spec(rows_per_program: int = 1) -> KernelSpec:
     cfg = mqa_logits.PREFILL_CONFIG if rows_per_program > 1 else mqa_logits.DECODE_CONFIG
     name = "mqa_logits" if rows_per_program == 1 else "mqa_logits[prefill]"
     return KernelSpec(name, mqa_logits._logits_kernel, sig,
-                      {"H": 64, "D": HEAD_DIM, "PAGE": PAGE_SLOTS, "R": rows_per_program, "TP": 1, "FP32_DOT": False},
+                      {"H": 64, "D": HEAD_DIM, "PAGE": PAGE_SLOTS, "R": rows_per_program, "TP": 1, "EARLY_Q": mqa_logits.EARLY_Q,
+                       "PAGE_HINT": mqa_logits.PAGE_HINT, "FP32_DOT": False},
                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 

@@ -42,6 +42,8 @@ PREFILL_ROWS = 1024  # from this many query rows on, a program scores ROWS_PER_P
 ROWS_PER_PROGRAM = 4
 DECODE_CONFIG = dict(num_warps=4, num_stages=6)  # 6 stages: 3 key pages in flight per program
 PREFILL_CONFIG = dict(num_warps=4, num_stages=3)
+EARLY_Q = True  # decode: load the row's queries before its length (one memory latency off the critical path)
+PAGE_HINT = False  # decode: load the first page id before waiting on the queries
 # Programs of the one-row kernel resident per multiprocessor, by pipeline depth, from the sm_90 build's shared
 # memory (q 16 KiB + num_stages / 2 key pages of 16 KiB: 49 / 66 / 82 KiB of 228 KiB); registers (72) do not bind.
 CTAS_PER_SM = {2: 6, 3: 4, 4: 4, 5: 3, 6: 3, 7: 2, 8: 2}
@@ -64,8 +66,9 @@ def decode_splits(rows: int, max_seq_len: int, *, device: torch.device, num_stag
     A wave is ``CTAS_PER_SM[num_stages]`` programs on each multiprocessor. For rows whose keys fill the
     width, time goes with (waves) x (tiles per program), so a split count whose programs end just under a
     whole number of waves wins (e.g. 256 rows on 132 x 3 slots: 3 splits, 768 programs in 2 waves, beat 2
-    splits, 512 programs in 1.3 waves, by 11% on the H200); on a near tie, fewer waves. Never more splits than
-    the width has tiles.
+    splits, 512 programs in 1.3 waves, by 11% on the H200); each extra wave must gain 10% of fill (rows much
+    shorter than the width leave most programs idle, and a second wave then only adds latency). Never more
+    splits than the width has tiles.
     """
     slots = CTAS_PER_SM.get(num_stages, 2) * _sm_count(device)
     max_splits = max(1, triton.cdiv(max_seq_len, PAGE_SLOTS * tile_pages * min_tiles))
@@ -74,7 +77,7 @@ def decode_splits(rows: int, max_seq_len: int, *, device: torch.device, num_stag
     for sp in range(1, upper + 1):
         progs = rows * sp
         waves = triton.cdiv(progs, slots)
-        score = progs / (waves * slots) - 0.01 * waves  # filled fraction of the waves; fewer waves on a tie
+        score = progs / (waves * slots) - 0.1 * (waves - 1)  # filled fraction of the waves; extra waves cost
         if score > best_score + 1e-9:
             best, best_score = sp, score
     return best
@@ -91,17 +94,21 @@ def _tile_scores(k, q_t, w, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _score_row(q_ptr, w_ptr, kv_ptr, pt_row, out_row, ref_pt, seq, t0, t1, stride_q_head,
-               H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, TP: tl.constexpr,
-               ONLY_OTHER_PAGES: tl.constexpr, FP32_DOT: tl.constexpr):
-    """One query row over its key tiles [t0, t1), TP pages a tile; q_ptr/w_ptr/pt_row/out_row point at the row.
-
-    With ONLY_OTHER_PAGES, only keys whose page differs from ``ref_pt``'s page at the same position are stored.
-    """
+def _load_row_q(q_ptr, w_ptr, stride_q_head, H: tl.constexpr, D: tl.constexpr):
+    """One row's queries as the product's [D, H] operand and its head weights (fp32 [H])."""
     heads = tl.arange(0, H)
+    q_t = tl.load(q_ptr + heads[None, :] * stride_q_head + tl.arange(0, D)[:, None])
+    return q_t, tl.load(w_ptr + heads).to(tl.float32)
+
+
+@triton.jit
+def _score_row(q_t, w, kv_ptr, pt_row, out_row, ref_pt, seq, t0, t1,
+               D: tl.constexpr, PAGE: tl.constexpr, TP: tl.constexpr,
+               ONLY_OTHER_PAGES: tl.constexpr, FP32_DOT: tl.constexpr, first_page=0):
+    """One query row (q_t [D, H], w [H]) over its key tiles [t0, t1), TP pages a tile; pt_row/out_row point
+    at the row. With ONLY_OTHER_PAGES, only keys whose page differs from ``ref_pt``'s page are stored.
+    """
     dims = tl.arange(0, D)
-    q_t = tl.load(q_ptr + heads[None, :] * stride_q_head + dims[:, None])  # [D, H]
-    w = tl.load(w_ptr + heads).to(tl.float32)
     offs = tl.arange(0, PAGE)
     in_page = offs[:, None] * D + dims[None, :]  # [PAGE, D] element offsets inside one page
     live_pages = tl.cdiv(seq, PAGE)
@@ -109,7 +116,7 @@ def _score_row(q_ptr, w_ptr, kv_ptr, pt_row, out_row, ref_pt, seq, t0, t1, strid
         for i in tl.static_range(TP):
             p = t * TP + i
             n = p * PAGE + offs
-            live = n < seq
+            live = (n < seq) & (first_page >= 0)  # first_page: a hint load, always >= 0 (see PAGE_HINT)
             page = tl.load(pt_row + p, mask=p < live_pages, other=0).to(tl.int64)
             k = tl.load(kv_ptr + page * (PAGE * D) + in_page, mask=live[:, None], other=0.0)  # [PAGE, D]
             s = tl.sum(_tile_scores(k, q_t, w, FP32_DOT), axis=1)
@@ -124,12 +131,14 @@ def _logits_kernel(
     stride_q_row, stride_q_head, stride_w_row, stride_pt_row, stride_out_row,
     n_rows, max_seq_len, splits, min_tiles,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, R: tl.constexpr, TP: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    EARLY_Q: tl.constexpr, PAGE_HINT: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     if R == 1:  # decode: program (row, split) scores a contiguous share of the row's live tiles
         row = tl.program_id(0)
         split = tl.program_id(1)
         row64 = row.to(tl.int64)
+        if EARLY_Q:  # issue the query load before the length's: their latencies overlap
+            q_t, w = _load_row_q(q_ptr + row64 * stride_q_row, w_ptr + row64 * stride_w_row, stride_q_head, H, D)
         seq = tl.minimum(tl.load(seq_ptr + row), max_seq_len)
         n_tiles = tl.cdiv(tl.cdiv(seq, PAGE), TP)
         tiles = tl.maximum(tl.cdiv(n_tiles, splits), min_tiles)
@@ -137,9 +146,13 @@ def _logits_kernel(
         t1 = tl.minimum(t0 + tiles, n_tiles)
         if t0 < t1:
             pt_row = pt_ptr + row64 * stride_pt_row
-            _score_row(q_ptr + row64 * stride_q_row, w_ptr + row64 * stride_w_row, kv_ptr, pt_row,
-                       out_ptr + row64 * stride_out_row, pt_row, seq, t0, t1, stride_q_head,
-                       H, D, PAGE, TP, False, FP32_DOT)
+            first_page = 0
+            if PAGE_HINT:  # a plain load of the first page id ahead of the queries' wait: the pipeline's own
+                first_page = tl.load(pt_row + t0 * TP)  # load of it then finds the line on chip
+            if not EARLY_Q:
+                q_t, w = _load_row_q(q_ptr + row64 * stride_q_row, w_ptr + row64 * stride_w_row, stride_q_head, H, D)
+            _score_row(q_t, w, kv_ptr, pt_row, out_ptr + row64 * stride_out_row, pt_row, seq, t0, t1,
+                       D, PAGE, TP, False, FP32_DOT, first_page)
     else:  # prefill: R consecutive rows per program; a key page they share is loaded once for all R
         group = tl.num_programs(0) - 1 - tl.program_id(0)  # last rows first: in causal prefill the longest
         r0 = group * R
@@ -175,9 +188,9 @@ def _logits_kernel(
                 if tl.sum(tl.where(rr == i, other, 0), axis=0) > 0:
                     row = tl.minimum(r0 + i, n_rows - 1).to(tl.int64)
                     seq = tl.sum(tl.where(rr == i, seqs, 0), axis=0)
-                    _score_row(q_ptr + row * stride_q_row, w_ptr + row * stride_w_row, kv_ptr,
-                               pt_ptr + row * stride_pt_row, out_ptr + row * stride_out_row, ref_pt, seq,
-                               0, tl.cdiv(seq, PAGE), stride_q_head, H, D, PAGE, 1, True, FP32_DOT)
+                    q_i, w_i = _load_row_q(q_ptr + row * stride_q_row, w_ptr + row * stride_w_row, stride_q_head, H, D)
+                    _score_row(q_i, w_i, kv_ptr, pt_ptr + row * stride_pt_row, out_ptr + row * stride_out_row,
+                               ref_pt, seq, 0, tl.cdiv(seq, PAGE), D, PAGE, 1, True, FP32_DOT)
 
 def _normalize(q, weights, seq_lens, page_table):
     if q.dim() == 4:  # upstream passes [B, next_n=1, H, D]
@@ -217,6 +230,8 @@ def bf16_paged_mqa_logits(
     min_tiles: int = MIN_TILES_PER_PROGRAM,
     rows_per_program: int | None = None,
     tile_pages: int = 1,
+    early_q: bool = EARLY_Q,
+    page_hint: bool = PAGE_HINT,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
@@ -256,7 +271,8 @@ def bf16_paged_mqa_logits(
         q, weights, pages, seq_lens, page_table, out,
         q.stride(0), q.stride(1), weights.stride(0), page_table.stride(0), out.stride(0),
         rows, max_seq_len, int(splits), int(min_tiles),
-        H=q.shape[1], D=HEAD_DIM, PAGE=PAGE_SLOTS, R=r, TP=int(tile_pages), FP32_DOT=interpreting(),
+        H=q.shape[1], D=HEAD_DIM, PAGE=PAGE_SLOTS, R=r, TP=int(tile_pages), EARLY_Q=bool(early_q),
+        PAGE_HINT=bool(page_hint), FP32_DOT=interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
