@@ -35,6 +35,7 @@ SPECS: dict[str, tuple] = {
     "nixl_rooms_tombstoned_total": ("counter", "Rooms remembered as aborted so late frames cannot reopen them", ()),
     "nixl_aborted_rooms_released_total": ("counter", "Aborted rooms no prefill sender held, dropped from the NIXL manager's tables", ()),
     "nixl_rooms_failed_fast_total": ("counter", "Rooms failed at once with a reason instead of waiting for the bootstrap timeout", ("reason",)),
+    "nixl_decode_told_failed_total": ("counter", "Rooms the prefill failed on its own, told to their decode (at once, or on its transfer info)", ("when",)),
     "nixl_bootstrap_threads_alive": ("gauge", "Hardened NIXL prefill bootstrap threads alive and polling", (), "livesum"),
     "nixl_transfer_workers_stuck": ("gauge", "NIXL transfer workers dead or holding one chunk past the stall limit", (), "livesum"),
     "nixl_health_problems": ("gauge", "Reasons the NIXL prefill side cannot serve; /health fails while > 0", (), "livesum"),

@@ -113,6 +113,12 @@ MANIFEST: tuple[Touch, ...] = (
         "disagg",
         "Records which rooms a live prefill sender holds, so an aborted room nobody holds is dropped, not leaked.",
     ),
+    Touch("sglang.srt.disaggregation.common.conn.CommonKVManager._room_notify_targets", "calls", "disagg",
+          "The decode endpoints of a room the prefill failed on its own, to tell them (tell_decode)."),
+    Touch("sglang.srt.disaggregation.common.conn.CommonKVManager.conclude_failure", "calls", "disagg",
+          "Fails a room with its reason and sends upstream's Failed status to its decode (tell_decode)."),
+    Touch("sglang.srt.disaggregation.common.conn.CommonKVManager.send_kv_status_message", "calls", "disagg",
+          "Answers a late transfer info for a room the prefill already failed, with the reason."),
     Touch(
         "sglang.srt.managers.scheduler.Scheduler.handle_generate_request",
         "around",

@@ -179,3 +179,45 @@ def test_aborted_room_no_sender_holds_is_released_not_leaked(pd):
     assert wait_until(lambda: s.room not in pd.prefill.request_status and s.room not in pd.prefill.transfer_infos, 5.0), (
         "an aborted room nobody holds stayed in the prefill manager's tables")
     assert pd.run([s], 5.0)
+
+
+def _decode_reason(s) -> str:
+    try:
+        s.receiver.failure_exception()
+    except Exception as exc:  # noqa: BLE001 - the decode's failure, as its abort path reads it
+        return str(exc)
+    return ""
+
+
+def _prefill_fails_on_its_own(pd, s, reason: str) -> None:
+    """What the collective guard does to a request it must drop: tell the decode, then upstream's abort."""
+    from dsv4_sm120.disagg import tell_decode
+
+    tell_decode.room_failed(pd.prefill, s.room, reason)
+    s.sender.abort()
+
+
+def test_a_room_the_prefill_fails_is_told_to_its_decode_at_once(pd):
+    """The PD router answers the client from the decode: a prefill-only failure must reach it, with its reason.
+
+    Upstream's ``sender.abort()`` marks the room Failed on the prefill only; the decode then waits
+    for SGLANG_DISAGGREGATION_WAITING_TIMEOUT (300 s). Seen on a real TP=2 PD pair (tests/e2e):
+    the guard's "safe to retry" abort never reached the client.
+    """
+    s = pd.open()
+    pd.send_metadata(s)
+    assert wait_until(lambda: s.sender.poll() == 2, 5.0), "the transfer info never bootstrapped the room"  # WaitingForInput
+    _prefill_fails_on_its_own(pd, s, "ranks disagreed (test)")
+    assert wait_until(lambda: s.receiver.poll() == KV_FAILED, 5.0), "the decode was never told"
+    assert "ranks disagreed (test)" in _decode_reason(s), _decode_reason(s)
+    assert pd.run([s], 5.0)
+
+
+def test_a_room_failed_before_its_transfer_info_arrives_answers_that_transfer_info(pd):
+    s = pd.open()
+    _prefill_fails_on_its_own(pd, s, "ranks disagreed before bootstrap (test)")
+    pd.send_metadata(s)  # the decode's transfer info arrives after the prefill dropped the request
+    assert wait_until(lambda: s.receiver.poll() == KV_FAILED, 5.0), "the late transfer info was only dropped"
+    assert "ranks disagreed before bootstrap (test)" in _decode_reason(s), _decode_reason(s)
+    assert pd.run([s], 5.0)
+    assert s.room not in pd.prefill.transfer_infos

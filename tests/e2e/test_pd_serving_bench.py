@@ -5,7 +5,8 @@ and the patched loops' guard is switched off, so every process runs the pin's
 code. The ratio of the two runs, measured back to back on this machine, is the
 plugin's overhead here; absolute figures of a tiny CPU model mean nothing for a
 GPU host, and a shared 2-core machine makes even the ratio noisy (it is recorded,
-not asserted beyond "every request completed").
+not asserted beyond "every request completed"). The dataset is `random-ids`: upstream's `random`
+samples ShareGPT text from the hub, which this machine cannot reach.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ LEVELS = ("1", "16")
 
 def _bench(env, cluster, tiny_model, out_dir, tag: str) -> list[dict]:
     proc = env.cli("bench-serving", "--base-url", cluster.front, "--model", "tiny", "--concurrency", *LEVELS,
-                   "--num-prompts", "48", "--random-input-len", "128", "--random-output-len", "32",
+                   "--num-prompts", "48", "--dataset-name", "random-ids", "--random-input-len", "128", "--random-output-len", "32",
                    "--tokenizer", str(tiny_model), "--out-dir", str(out_dir), "--tag", tag, "--level-timeout", "600",
                    timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

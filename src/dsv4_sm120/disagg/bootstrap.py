@@ -18,7 +18,8 @@ What it adds:
 * a peer whose registration fails half way is rolled back, so it can register again;
 * a transfer-info frame from an agent that never registered is refused;
 * every ABORT buries its room (:class:`~dsv4_sm120.disagg.tombstones.Tombstones`),
-  and a transfer-info frame for a buried room is dropped instead of creating it;
+  and a transfer-info frame for a buried room is dropped instead of creating it
+  (answered with the failure when the prefill itself failed the room: :mod:`tell_decode`);
 * the loop polls with a timeout and beats a heart, so
   :mod:`dsv4_sm120.disagg.liveness` can tell a dead or stuck thread.
 """
@@ -31,6 +32,7 @@ import time
 import weakref
 
 from dsv4_sm120 import metrics
+from dsv4_sm120.disagg import tell_decode
 from dsv4_sm120.disagg.rejects import FrameRejected, RejectLog
 from dsv4_sm120.disagg.tombstones import Tombstones
 
@@ -250,29 +252,31 @@ class HardenedBootstrap:
         request fails at once, with the reason, on the prefill (and so at the
         router and the client). A room the prefill has not opened yet is buried with
         the reason; when the request arrives, it opens Failed (``keep_aborted_rooms_dead``).
+        Decode ranks whose transfer infos for the room did arrive are told (:mod:`tell_decode`).
         """
-        from sglang.srt.disaggregation.base.conn import KVPoll
-
         reason = (f"dsv4-sm120: the NIXL prefill bootstrap thread refused this request's transfer info "
                   f"({why.reason}: {why.detail}); the request cannot be served and was failed at once")
         metrics.inc("nixl_rooms_failed_fast_total", reason=why.reason)
+        tell_decode.room_failed(self.mgr, room, reason, self.tombstones)
         self.mgr.transfer_infos.pop(room, None)
-        if room in self.mgr.request_status:
-            self.mgr.record_failure(room, reason)
-            self.mgr.update_status(room, KVPoll.Failed)
-        else:
-            self.tombstones.bury(room, reason)
         return why
 
     def _transfer_info(self, room: int, agent: str, body: list) -> None:
         from sglang.srt.disaggregation.base.conn import KVPoll
         from sglang.srt.disaggregation.nixl.conn import TransferInfo
 
+        mgr = self.mgr
         if room in self.tombstones:
             self.rejects.count("late_frames_dropped")
             logger.debug("dsv4-sm120: dropped transfer info for aborted room %s from %s", room, agent)
+            failed = self.tombstones.reason(room)
+            if failed is not None and agent in mgr.decode_kv_args_table:  # failed here: that decode must know
+                try:
+                    info = TransferInfo.from_zmq(body)
+                except Exception:  # noqa: BLE001 - an unparsable late frame is only dropped
+                    return
+                tell_decode.answer_late_transfer_info(mgr, room, info, failed)
             return
-        mgr = self.mgr
         if agent not in mgr.decode_kv_args_table:
             # A decode registers on the same ordered socket before it sends any metadata.
             raise self._fail_room(room, FrameRejected(
