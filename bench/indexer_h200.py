@@ -376,10 +376,11 @@ TUNE_DECODE_SHAPES = ((1, 4096, CAPTURE_WIDTH), (1, 32768, CAPTURE_WIDTH), (1, 1
                       (8, 4096, CAPTURE_WIDTH), (8, 32768, CAPTURE_WIDTH), (8, 131072, CAPTURE_WIDTH),
                       (64, 4096, CAPTURE_WIDTH), (64, 32768, CAPTURE_WIDTH), (256, 4096, CAPTURE_WIDTH),
                       (256, 32768, CAPTURE_WIDTH), (1, 32768, 32768), (8, 4096, 4096), (256, 4096, 4096))
-TUNE_DECODE = ([dict(programs=None, min_tiles=mt, tile_pages=1, num_stages=ns, num_warps=4, early_q=eq, page_hint=ph)
-                for eq, ph in ((True, False), (False, True), (False, False))
-                for mt, ns in ((1, 4), (1, 6), (1, 8), (2, 6))]
-               + [dict(programs=264, min_tiles=1, tile_pages=1, num_stages=6, num_warps=4, early_q=True, page_hint=False)])
+_TD = dict(programs=None, min_tiles=1, tile_pages=1, num_stages=6, num_warps=4, early_q=False, page_hint=True,
+           strided=False)
+TUNE_DECODE = ([dict(_TD), dict(_TD, num_stages=8), dict(_TD, early_q=True, page_hint=False)]
+               + [dict(_TD, strided=True, num_stages=ns, min_tiles=mt) for ns, mt in ((4, 1), (6, 1), (8, 1), (6, 2))]
+               + [dict(_TD, strided=True, programs=264)])
 TUNE_PREFILL = ([dict(rows_per_program=1, num_warps=4, num_stages=3)]
                 + [dict(rows_per_program=r, num_warps=nw, num_stages=ns) for r in (4, 8) for nw in (4, 8)
                    for ns in (2, 3, 4)])

@@ -178,6 +178,72 @@ def test_logits_accepts_upstream_shapes(kern):
     assert torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
+def _prefill_case(gen, n=70, heads=16, boundary=37, odd_row=41):
+    """Causal rows of two requests (the second from row ``boundary``, inside a group of 4), one row with a
+    page of its own mid-table, and a last group cut short (70 rows)."""
+    q = torch.randn(n, heads, D, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, heads, generator=gen)
+    pages = torch.randn(9, PAGE, D, generator=gen).to(torch.bfloat16)
+    perm = torch.randperm(9, generator=gen).to(torch.int32)
+    pt = perm[:2][None].expand(n, -1).contiguous()
+    pt[boundary:] = perm[2:4]
+    pt[odd_row, 0] = perm[5]
+    lens = [r + 1 if r < boundary else r - boundary + 40 for r in range(n)]
+    return q, w, pages, torch.tensor(lens, dtype=torch.int32), pt, lens
+
+
+@pytest.mark.parametrize("rows_per_program", [2, 4])
+def test_logits_prefill_rows_per_program_match_one_row(kern, rows_per_program):
+    q, w, pages, sl, pt, lens = _prefill_case(_gen(12))
+    out, ref = _logits_both(kern, q, w, pages, sl, pt, 128, rows_per_program=rows_per_program)
+    _check_logits(out, ref, lens)
+    one, _ = _logits_both(kern, q, w, pages, sl, pt, 128, rows_per_program=1)
+    live = torch.isfinite(ref)
+    assert ((out[live] - one[live]).norm() / one[live].norm()) < 1e-6
+
+
+def test_logits_prefill_path_is_the_default_from_prefill_rows(kern, monkeypatch):
+    q, w, pages, sl, pt, lens = _prefill_case(_gen(13), n=13, boundary=6, odd_row=9)
+    monkeypatch.setattr(kern.mqa_logits, "PREFILL_ROWS", 8)
+    calls = []
+    real = kern.mqa_logits._logits_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                calls.append((grid, kw["R"]))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(kern.mqa_logits, "_logits_kernel", Spy())
+    out, ref = _logits_both(kern, q, w, pages, sl, pt, 64)
+    _check_logits(out, ref, lens)
+    assert calls == [((4, 1), kern.mqa_logits.ROWS_PER_PROGRAM)]
+
+
+@pytest.mark.parametrize("early_q,page_hint,strided,splits,min_tiles",
+                         [(True, False, False, 4, 1), (False, True, False, 4, 1), (False, False, False, 4, 1),
+                          (False, True, True, 4, 1), (False, True, True, 3, 2), (False, True, True, 40, 1)])
+def test_logits_decode_load_order_variants_agree(kern, early_q, page_hint, strided, splits, min_tiles):
+    q, w, pages, sl, pt = logits_case(LENS, 16, _gen(14))
+    out, ref = _logits_both(kern, q, w, pages, sl, pt, 704, early_q=early_q, page_hint=page_hint, strided=strided,
+                            splits=splits, min_tiles=min_tiles)
+    _check_logits(out, ref, LENS)
+
+
+def test_decode_splits_fill_whole_waves(kern):
+    split = lambda rows, width, ns=6: kern.mqa_logits.decode_splits(  # noqa: E731
+        rows, width, device=torch.device("cpu"), num_stages=ns)
+    slots = 3 * 132  # 3 programs per multiprocessor at 6 stages, 132 on the H200 (the CPU stand-in)
+    assert split(1, 262144) == slots
+    assert split(1, 4096) == 64  # never more programs than the width has pages
+    assert split(8, 262144) == slots // 8
+    assert split(256, 262144) == 3  # 768 programs in two full waves, not 512 in 1.3
+    for rows in (1, 3, 8, 17, 64, 100, 256, 1000):
+        sp = split(rows, 262144)
+        assert 1 <= sp and rows * sp <= 4 * slots
+
+
 def test_logits_bad_input(kern):
     q, w, pages, sl, pt = logits_case([70], 16, _gen(10))
     with pytest.raises(ValueError, match="q must be bf16"):

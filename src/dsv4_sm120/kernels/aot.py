@@ -44,12 +44,13 @@ def _logits_spec(rows_per_program: int = 1) -> KernelSpec:
     sig = {"q_ptr": "*bf16", "w_ptr": "*fp32", "kv_ptr": "*bf16", "seq_ptr": "*i32", "pt_ptr": "*i32",
            "out_ptr": "*fp32", "stride_q_row": "i64", "stride_q_head": "i64", "stride_w_row": "i64",
            "stride_pt_row": "i64", "stride_out_row": "i64", "n_rows": "i32", "max_seq_len": "i32", "splits": "i32",
-           "min_tiles": "i32"}
+           "min_tiles": "i32", "pt_cols": "i32"}
     cfg = mqa_logits.PREFILL_CONFIG if rows_per_program > 1 else mqa_logits.DECODE_CONFIG
     name = "mqa_logits" if rows_per_program == 1 else "mqa_logits[prefill]"
     return KernelSpec(name, mqa_logits._logits_kernel, sig,
                       {"H": 64, "D": HEAD_DIM, "PAGE": PAGE_SLOTS, "R": rows_per_program, "TP": 1, "EARLY_Q": mqa_logits.EARLY_Q,
-                       "PAGE_HINT": mqa_logits.PAGE_HINT, "FP32_DOT": False},
+                       "PAGE_HINT": mqa_logits.PAGE_HINT,
+                       "STRIDED": mqa_logits.STRIDED, "FP32_DOT": False},
                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 

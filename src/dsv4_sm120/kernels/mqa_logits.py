@@ -16,14 +16,22 @@ by it before selecting, sgl-kernel's only loop to it; tests/kernels/
 test_topk_poison.py poisons that region and checks the selection), and
 upstream's own TileLang kernel leaves it unwritten too.
 
-One program scores one query row over a contiguous range of key tiles: a tile
-is one page, 64 keys x 128 dims, read as one contiguous 16 KiB block from its
-page id (one scalar load per tile, so the address arithmetic is per tile, not
-per element), then one tensor-core product against the row's 64 heads, relu,
-weight and a sum over heads in registers. The launch grid depends on
-the width only through a cap, and the work per program is set on the device
-from the row's live length, so a request with 4k keys is scored the same way
-whatever the width.
+Decode (fewer than ``PREFILL_ROWS`` rows): one program scores one query row over a
+contiguous range of key tiles: a tile is one page, 64 keys x 128 dims, read as
+one contiguous 16 KiB block from its page id (one scalar load per tile), then one
+tensor-core product against the row's 64 heads, relu, weight and a sum over heads
+in registers. The grid depends on the width only through a cap (splits per row
+chosen to fill whole waves of resident programs), and the work per program is
+set on the device from the row's live length, so a request with 4k keys is
+scored the same way whatever the width.
+
+Prefill: one program scores ``ROWS_PER_PROGRAM`` (4) consecutive query rows. A
+request's rows share its page table, so each key page is loaded once for the four
+rows and scored by one [64 keys x 128] x [128 x 4*64 heads] product (the key
+tile's trips from L2 were the limit with one row per program). Where the rows'
+page ids differ (rows of two requests in one group), the program stores only the
+rows that read the group's page and then scores the others again on their own
+pages, so the output is the same for any grouping (bit for bit on the H200).
 """
 
 from __future__ import annotations
@@ -42,8 +50,11 @@ PREFILL_ROWS = 1024  # from this many query rows on, a program scores ROWS_PER_P
 ROWS_PER_PROGRAM = 4
 DECODE_CONFIG = dict(num_warps=4, num_stages=6)  # 6 stages: 3 key pages in flight per program
 PREFILL_CONFIG = dict(num_warps=4, num_stages=3)
-EARLY_Q = True  # decode: load the row's queries before its length (one memory latency off the critical path)
-PAGE_HINT = False  # decode: load the first page id before waiting on the queries
+# Decode latency (H200 tune at 28550c0, tiny batches): a plain load of the first page id issued before the
+# wait on the queries (PAGE_HINT) beat issuing the queries before the length (EARLY_Q) by 5-8% at 512 pages.
+EARLY_Q = False
+PAGE_HINT = True
+STRIDED = False  # decode: program p of a row takes tiles p, p + P, ... (first page id loaded before the length)
 # Programs of the one-row kernel resident per multiprocessor, by pipeline depth, from the sm_90 build's shared
 # memory (q 16 KiB + num_stages / 2 key pages of 16 KiB: 49 / 66 / 82 KiB of 228 KiB); registers (72) do not bind.
 CTAS_PER_SM = {2: 6, 3: 4, 4: 4, 5: 3, 6: 3, 7: 2, 8: 2}
@@ -104,15 +115,15 @@ def _load_row_q(q_ptr, w_ptr, stride_q_head, H: tl.constexpr, D: tl.constexpr):
 @triton.jit
 def _score_row(q_t, w, kv_ptr, pt_row, out_row, ref_pt, seq, t0, t1,
                D: tl.constexpr, PAGE: tl.constexpr, TP: tl.constexpr,
-               ONLY_OTHER_PAGES: tl.constexpr, FP32_DOT: tl.constexpr, first_page=0):
-    """One query row (q_t [D, H], w [H]) over its key tiles [t0, t1), TP pages a tile; pt_row/out_row point
+               ONLY_OTHER_PAGES: tl.constexpr, FP32_DOT: tl.constexpr, first_page=0, step=1):
+    """One query row (q_t [D, H], w [H]) over its key tiles t0, t0 + step, ... < t1, TP pages a tile; pt_row/out_row point
     at the row. With ONLY_OTHER_PAGES, only keys whose page differs from ``ref_pt``'s page are stored.
     """
     dims = tl.arange(0, D)
     offs = tl.arange(0, PAGE)
     in_page = offs[:, None] * D + dims[None, :]  # [PAGE, D] element offsets inside one page
     live_pages = tl.cdiv(seq, PAGE)
-    for t in range(t0, t1):
+    for t in range(t0, t1, step):
         for i in tl.static_range(TP):
             p = t * TP + i
             n = p * PAGE + offs
@@ -129,11 +140,26 @@ def _score_row(q_t, w, kv_ptr, pt_row, out_row, ref_pt, seq, t0, t1,
 def _logits_kernel(
     q_ptr, w_ptr, kv_ptr, seq_ptr, pt_ptr, out_ptr,
     stride_q_row, stride_q_head, stride_w_row, stride_pt_row, stride_out_row,
-    n_rows, max_seq_len, splits, min_tiles,
+    n_rows, max_seq_len, splits, min_tiles, pt_cols,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, R: tl.constexpr, TP: tl.constexpr,
-    EARLY_Q: tl.constexpr, PAGE_HINT: tl.constexpr, FP32_DOT: tl.constexpr,
+    EARLY_Q: tl.constexpr, PAGE_HINT: tl.constexpr, STRIDED: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
-    if R == 1:  # decode: program (row, split) scores a contiguous share of the row's live tiles
+    if R == 1 and STRIDED:  # decode: program (row, split) scores tiles split, split + P, ... of the row
+        row = tl.program_id(0)
+        split = tl.program_id(1)
+        row64 = row.to(tl.int64)
+        pt_row = pt_ptr + row64 * stride_pt_row
+        # the first tile's page id and the queries do not depend on the row's length: all three loads
+        # are in flight at once, and the pipeline's own load of the page id then finds it on chip
+        first_page = tl.load(pt_row + split * TP, mask=split * TP < pt_cols, other=0)
+        q_t, w = _load_row_q(q_ptr + row64 * stride_q_row, w_ptr + row64 * stride_w_row, stride_q_head, H, D)
+        seq = tl.minimum(tl.load(seq_ptr + row), max_seq_len)
+        n_tiles = tl.cdiv(tl.cdiv(seq, PAGE), TP)
+        active = tl.minimum(splits, tl.cdiv(n_tiles, min_tiles))  # programs that share this row's tiles
+        if (split < active) & (first_page >= 0):  # (page ids are >= 0: the test keeps the load ahead of the branch)
+            _score_row(q_t, w, kv_ptr, pt_row, out_ptr + row64 * stride_out_row, pt_row, seq, split, n_tiles,
+                       D, PAGE, TP, False, FP32_DOT, first_page, active)
+    elif R == 1:  # decode: program (row, split) scores a contiguous share of the row's live tiles
         row = tl.program_id(0)
         split = tl.program_id(1)
         row64 = row.to(tl.int64)
@@ -232,6 +258,7 @@ def bf16_paged_mqa_logits(
     tile_pages: int = 1,
     early_q: bool = EARLY_Q,
     page_hint: bool = PAGE_HINT,
+    strided: bool = STRIDED,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
@@ -270,9 +297,9 @@ def bf16_paged_mqa_logits(
     _logits_kernel[grid](
         q, weights, pages, seq_lens, page_table, out,
         q.stride(0), q.stride(1), weights.stride(0), page_table.stride(0), out.stride(0),
-        rows, max_seq_len, int(splits), int(min_tiles),
+        rows, max_seq_len, int(splits), int(min_tiles), page_table.shape[1],
         H=q.shape[1], D=HEAD_DIM, PAGE=PAGE_SLOTS, R=r, TP=int(tile_pages), EARLY_Q=bool(early_q),
-        PAGE_HINT=bool(page_hint), FP32_DOT=interpreting(),
+        PAGE_HINT=bool(page_hint), STRIDED=bool(strided), FP32_DOT=interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
