@@ -3,8 +3,8 @@
 The divergence is injected from the test side (``cpu_testkit/faults.py``, rank 1
 only). With the collective guard (the patch applied from the wheel, the
 default switch), the ranks notice at the next agreement, the request is failed
-with the guard's clear error (safe to retry), and every later request
-completes. With ``DSV4_SM120_COLLECTIVE_GUARD=0`` the ranks issue different
+with the guard's clear error (safe to retry), the client gets that error at
+once through the decode and the router, and every later request completes. With ``DSV4_SM120_COLLECTIVE_GUARD=0`` the ranks issue different
 collective sequences; ``--dist-timeout 30`` bounds what would otherwise be a
 wedge, and the test records what the pin does.
 """
@@ -53,6 +53,8 @@ def test_rank_local_divergence_on_a_real_tp2_prefill(clusters, tmp_path_factory,
                later_requests=later, health=health, guard_metrics=guard_metrics, dead=c.servers.dead())
         assert injected.startswith("rank 1 dropped"), injected
         if guard == "as-set":
+            # The router answers from the decode: it must hear of the prefill's drop (disagg/tell_decode.py).
+            assert status >= 400 and b"collective guard" in body, (status, body[:300])
             assert later["completed"] == 4, later
             assert set(health.values()) == {200}, health
             assert guard_metrics.get("sglang:dsv4_guard_divergences_reconciled_total", 0) >= 1, guard_metrics

@@ -115,6 +115,20 @@ def _tell(scheduler, rid: str, recv_obj, message: str) -> None:
     )
 
 
+def _tell_decode(req, message: str) -> None:
+    """The PD router answers from the decode: it must learn, with this message, that the prefill dropped the request."""
+    sender = getattr(req, "disagg_kv_sender", None)
+    mgr = getattr(sender, "kv_mgr", None)
+    if mgr is None or not hasattr(mgr, "conclude_failure"):  # no transfer backend that can tell it
+        return
+    from dsv4_sm120.disagg import tell_decode
+
+    try:
+        tell_decode.room_failed(mgr, sender.bootstrap_room, message)
+    except Exception:  # noqa: BLE001 - the decode then waits for its own timeout; the release must still run
+        logger.exception("dsv4-sm120: could not tell the decode of room %s", sender.bootstrap_room)
+
+
 def _keep_only(scheduler, loop: str, name: str, items: list) -> None:
     """Make the live queue hold exactly ``items`` in this order."""
     if loop == "decode" and name == "running":
@@ -136,6 +150,7 @@ def _retire(scheduler, loop: str, name: str, item, message: str) -> None:
     prepare_abort(req, message, status_code=ABORT_STATUS)
     try:
         if loop == "prefill":
+            _tell_decode(req, message)
             if name == "inflight":
                 scheduler._retire_aborted_prefill_result(req)
             else:
