@@ -26,8 +26,9 @@ A slot is [sequence, check word, payload...]; the check word (CRC-32 and Adler-3
 payload) and the payload are stored first, the sequence last, and a reader accepts a slot only when
 its check word matches, so a slot copied while its writer was still storing (a copy need not load
 in address order; on weakly ordered CPUs, Arm hosts such as Grace, stores may also become visible
-out of order) is read again instead of trusted. When the ranks agree the rows are byte-equal and
-one check stands for all: one C call per agreement.
+out of order) is read again instead of trusted. When the ranks agree every row is
+byte-equal to the reader's own (valid) row, and that one comparison settles the agreement without
+computing a check word.
 
 A waiting rank looks again at once for ``SPIN_S`` (no system call: the peers of an agreeing
 iteration arrive within microseconds), then yields its core between looks until ``YIELD_S``, then
