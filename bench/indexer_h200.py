@@ -212,7 +212,7 @@ def _replay_ms(graph, n_calls, reps=5):
     return sorted(times)[len(times) // 2]
 
 
-def timed_pair_graph(peer, draws, pages, sl, width, rounds=3, **kw):
+def timed_pair_graph(peer, draws, pages, sl, width, rounds=5, **kw):
     """Decode timing as in serving: each kernel's launches in one CUDA graph, over rotating page draws.
 
     ``draws`` is a list of (q, w, page_table) with independent random pages, so back-to-back launches

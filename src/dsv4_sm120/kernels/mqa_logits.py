@@ -16,14 +16,17 @@ by it before selecting, sgl-kernel's only loop to it; tests/kernels/
 test_topk_poison.py poisons that region and checks the selection), and
 upstream's own TileLang kernel leaves it unwritten too.
 
-Decode (fewer than ``PREFILL_ROWS`` rows): one program scores one query row over a
-contiguous range of key tiles: a tile is one page, 64 keys x 128 dims, read as
-one contiguous 16 KiB block from its page id (one scalar load per tile), then one
-tensor-core product against the row's 64 heads, relu, weight and a sum over heads
-in registers. The grid depends on the width only through a cap (splits per row
-chosen to fill whole waves of resident programs), and the work per program is
-set on the device from the row's live length, so a request with 4k keys is
-scored the same way whatever the width.
+Decode (fewer than ``PREFILL_ROWS`` rows): ``splits`` programs share a query row;
+program p takes the row's key tiles p, p + P, p + 2P, ... where P is the number of
+programs the row's live length needs (at most ``splits``). A tile is one page, 64
+keys x 128 dims, read as one contiguous 16 KiB block from its page id (one scalar
+load per tile), then one tensor-core product against the row's 64 heads, relu,
+weight and a sum over heads in registers. A program's first page id does not
+depend on the row's length, so it is loaded together with the length and the
+queries (one memory latency less on tiny batches). The grid depends on the width
+only through a cap (splits chosen to fill whole waves of resident programs), and
+the work per program is set on the device from the live length, so a request with
+4k keys is scored the same way whatever the width.
 
 Prefill: one program scores ``ROWS_PER_PROGRAM`` (4) consecutive query rows. A
 request's rows share its page table, so each key page is loaded once for the four
@@ -48,13 +51,15 @@ from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, check_pages
 MIN_TILES_PER_PROGRAM = 1
 PREFILL_ROWS = 1024  # from this many query rows on, a program scores ROWS_PER_PROGRAM rows at once
 ROWS_PER_PROGRAM = 4
-DECODE_CONFIG = dict(num_warps=4, num_stages=6)  # 6 stages: 3 key pages in flight per program
+DECODE_CONFIG = dict(num_warps=4, num_stages=8)  # 8 stages: 4 key pages in flight per program, 2 programs an SM
 PREFILL_CONFIG = dict(num_warps=4, num_stages=3)
-# Decode latency (H200 tune at 28550c0, tiny batches): a plain load of the first page id issued before the
-# wait on the queries (PAGE_HINT) beat issuing the queries before the length (EARLY_Q) by 5-8% at 512 pages.
-EARLY_Q = False
-PAGE_HINT = True
-STRIDED = False  # decode: program p of a row takes tiles p, p + P, ... (first page id loaded before the length)
+# Decode latency, H200 tunes at 28550c0 and dfdbd85 (tiny batches, 512 pages: 5-6 us kernels): the strided
+# split (program p of a row takes tiles p, p + P, ...), whose first page id does not depend on the row's
+# length and is loaded together with the length and the queries, beat the contiguous split with the same
+# page-id hint by 5-15%, and that beat loading the queries before the length (EARLY_Q) by 5-8%.
+STRIDED = True
+PAGE_HINT = True  # contiguous split only: load the first page id before waiting on the queries
+EARLY_Q = False  # contiguous split only
 # Programs of the one-row kernel resident per multiprocessor, by pipeline depth, from the sm_90 build's shared
 # memory (q 16 KiB + num_stages / 2 key pages of 16 KiB: 49 / 66 / 82 KiB of 228 KiB); registers (72) do not bind.
 CTAS_PER_SM = {2: 6, 3: 4, 4: 4, 5: 3, 6: 3, 7: 2, 8: 2}
