@@ -19,6 +19,13 @@ capture width 262144; target-verify (MTP next_n = 2: two rows per request, lengt
 page table); prefill dense and causal at 8192 and 32768 (one request: every row shares its page table).
 Keys are gathered through random page permutations, as in serving. The fp8 side reads fp8 pages made
 from the same keys (per-token e4m3 with an fp32 scale, upstream's 132-byte layout).
+
+Timing: decode and target-verify run as in serving, each kernel's launches captured in one CUDA graph
+over independent page draws (at least 512 MiB of keys per replay, so no launch finds its keys in L2),
+five alternating rounds, the median; with do_bench (L2 flush before each call, host launch in the
+timed region) the 4-10 us kernels read 10-60 us and changed from run to run. Prefill uses do_bench
+(milliseconds per call). ``--tune-only`` times launch configurations beside upstream's kernel instead
+and writes $OUT_JSON.
 """
 
 from __future__ import annotations
