@@ -56,13 +56,34 @@ def _host_pages(host, count, gen):
     return pages[torch.randperm(len(pages), generator=gen)[:count]]
 
 
-def round_trip(host, device_pool, batches, load_splits, gen, fill=True):
+def refuse_sub_page_tail(host, device_pool, device_page: int, host_page: int, io="kernel") -> None:
+    """A request's last, partial page: the bf16 mirror refuses it both ways and writes nothing.
+
+    Upstream's strategy would hand it to ``transfer_cache_dsv4_mla``, which addresses a
+    main-KV token (576 + 8 B) and cannot move a bf16 index-K token (the stand-in is a trap).
+    """
+    half = SLOTS_PER_FULL_PAGE // 2
+    host_slots = cpu_page_mover.pages_to_slots(torch.tensor([host_page]), SLOTS_PER_FULL_PAGE)[:half]
+    device_slots = cpu_page_mover.pages_to_slots(torch.tensor([device_page]), SLOTS_PER_FULL_PAGE)[:half]
+    host_before = host.get_data_page(host_page * SLOTS_PER_FULL_PAGE, flat=False).clone()
+    device_before = [buf[device_page].clone() for buf in host.device_buffers]
+    with pytest.raises(ValueError, match="page-aligned"):
+        host.backup_from_device_all_layer(device_pool, host_slots, device_slots, io)
+    with pytest.raises(ValueError, match="page-aligned"):
+        host.load_to_device_per_layer(device_pool, host_slots, device_slots, 0, io)
+    assert torch.equal(host.get_data_page(host_page * SLOTS_PER_FULL_PAGE, flat=False), host_before)
+    assert all(torch.equal(buf[device_page], before) for buf, before in zip(host.device_buffers, device_before))
+
+
+def round_trip(host, device_pool, batches, load_splits, gen, fill=True, tail=True, io="kernel"):
     """Back up each (device pages, host pages) batch, scribble the device, load back elsewhere.
 
     Returns the number of pages that made the round trip. Every reloaded page
     must equal its original byte for byte; every other device page must still
-    hold the scribble (a load writes only its targets). ``fill=False`` keeps
-    the pool's current bytes as the originals (the long run fills once).
+    hold the scribble (a load writes only its targets). ``tail`` also offers a
+    partial last page after the backups, which must be refused with nothing
+    written (the backed-up host page it names must still reload exact).
+    ``fill=False`` keeps the pool's current bytes as the originals (the long run fills once).
     """
     rows = host.device_buffers
     if fill:
@@ -74,7 +95,9 @@ def round_trip(host, device_pool, batches, load_splits, gen, fill=True):
     for dev_pages, host_batch in batches:
         host.backup_from_device_all_layer(
             device_pool, cpu_page_mover.pages_to_slots(host_batch, SLOTS_PER_FULL_PAGE),
-            cpu_page_mover.pages_to_slots(dev_pages, SLOTS_PER_FULL_PAGE), "kernel")
+            cpu_page_mover.pages_to_slots(dev_pages, SLOTS_PER_FULL_PAGE), io)
+    if tail:
+        refuse_sub_page_tail(host, device_pool, int(src_pages[-1]), int(host_pages[-1]), io)
     for buf in rows:
         buf.bitwise_not_()  # the scribble: every device byte now differs from its backup
     scribbled = [buf.clone() for buf in rows]
@@ -84,7 +107,7 @@ def round_trip(host, device_pool, batches, load_splits, gen, fill=True):
         for part in torch.tensor_split(torch.arange(len(src_pages)), load_splits):
             host.load_to_device_per_layer(
                 device_pool, cpu_page_mover.pages_to_slots(host_pages[part], SLOTS_PER_FULL_PAGE),
-                cpu_page_mover.pages_to_slots(targets[part], SLOTS_PER_FULL_PAGE), layer, "kernel")
+                cpu_page_mover.pages_to_slots(targets[part], SLOTS_PER_FULL_PAGE), layer, io)
         assert torch.equal(rows[layer][targets], original[layer]), f"layer {layer}: reload differs"
         untouched = torch.ones(rows[layer].shape[0], dtype=torch.bool)
         untouched[targets] = False
@@ -107,18 +130,30 @@ def _scenario(name, num_device_pages, host, gen):
     return list(zip(torch.split(picks, sizes), torch.split(hosts, sizes)))
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+# (--hicache-mem-layout, --hicache-io-backend) as sglang resolves them, and the ops each one calls for
+# whole pages (backup, load): docs/DSV4_BF16_HICACHE_CORRUPTION.md, "Which copy a bf16 page takes".
+PATHS = {
+    ("layer_first", "kernel"): ("transfer_kv_all_layer_mla", "transfer_kv_per_layer_mla"),
+    ("page_first", "kernel"): ("transfer_kv_all_layer_mla_lf_pf", "transfer_kv_per_layer_mla_pf_lf"),
+    ("layer_first", "direct"): ("transfer_kv_direct", "transfer_kv_direct"),
+    ("page_first_direct", "direct"): ("transfer_kv_all_layer_direct_lf_pf", "transfer_kv_per_layer_direct_pf_lf"),
+}
+
+
+@pytest.mark.parametrize("layout, io", list(PATHS), ids=[f"{layout}-{io}" for layout, io in PATHS])
 @pytest.mark.parametrize("scenario, load_splits", [("random", 1), ("page_boundaries", 2), ("partial_batches", 3)])
-def test_round_trip_is_byte_exact(stacks, monkeypatch, layout, scenario, load_splits):
-    result, built, _ = stacks(layout)
+def test_round_trip_is_byte_exact(stacks, monkeypatch, layout, io, scenario, load_splits):
+    """Whole pages come back byte for byte through upstream's dispatch; a partial tail page is refused."""
+    result, built, strategy = stacks(layout)
     host, device_pool = index_host(built), result.token_to_kv_pool.c4_indexer_kv_pool
+    assert type(strategy).__name__ == "BF16IndexKStackStrategy" and host.layout == layout
     calls = cpu_page_mover.install(monkeypatch, host)
-    gen = torch.Generator().manual_seed(hash((layout, scenario)) % 2**31)
+    gen = torch.Generator().manual_seed(hash((layout, io, scenario)) % 2**31)
     batches = _scenario(scenario, host.device_buffers[0].shape[0], host, gen)
-    assert round_trip(host, device_pool, batches, load_splits, gen) == sum(len(d) for d, _ in batches)
+    assert round_trip(host, device_pool, batches, load_splits, gen, io=io) == sum(len(d) for d, _ in batches)
     assert "transfer_cache_dsv4_mla" not in calls
-    expected = {"layer_first": "transfer_kv_per_layer_mla", "page_first": "transfer_kv_per_layer_mla_pf_lf"}
-    assert calls[expected[layout]] >= 1
+    backup, load = PATHS[layout, io]
+    assert calls[backup] >= 1 and calls[load] >= 1 and set(calls) == {backup, load}
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
@@ -149,6 +184,6 @@ def test_round_trip_100k_pages(stacks, monkeypatch, layout):
         picks = picks[: sum(sizes)]
         hosts = _host_pages(host, len(picks), gen)
         moved += round_trip(host, device_pool, list(zip(torch.split(picks, sizes), torch.split(hosts, sizes))),
-                             4, gen, fill)
+                             4, gen, fill, tail=fill)
         fill = False
     assert moved >= 100_000
