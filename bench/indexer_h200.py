@@ -383,11 +383,10 @@ TUNE_DECODE_SHAPES = ((1, 4096, CAPTURE_WIDTH), (1, 32768, CAPTURE_WIDTH), (1, 1
                       (8, 4096, CAPTURE_WIDTH), (8, 32768, CAPTURE_WIDTH), (8, 131072, CAPTURE_WIDTH),
                       (64, 4096, CAPTURE_WIDTH), (64, 32768, CAPTURE_WIDTH), (256, 4096, CAPTURE_WIDTH),
                       (256, 32768, CAPTURE_WIDTH), (1, 32768, 32768), (8, 4096, 4096), (256, 4096, 4096))
-_TD = dict(programs=None, min_tiles=1, tile_pages=1, num_stages=6, num_warps=4, early_q=False, page_hint=True,
-           strided=False)
-TUNE_DECODE = ([dict(_TD), dict(_TD, num_stages=8), dict(_TD, early_q=True, page_hint=False)]
-               + [dict(_TD, strided=True, num_stages=ns, min_tiles=mt) for ns, mt in ((4, 1), (6, 1), (8, 1), (6, 2))]
-               + [dict(_TD, strided=True, programs=264)])
+_TD = dict(programs=None, min_tiles=1, tile_pages=1, num_stages=8, num_warps=4, early_q=False, page_hint=True,
+           strided=True, qloop_tiles=0, qloop_stages=3)
+TUNE_DECODE = ([dict(_TD)] + [dict(_TD, qloop_tiles=qt, qloop_stages=qs) for qt, qs in ((1, 2), (2, 2), (2, 3), (4, 3), (8, 3))]
+               + [dict(_TD, num_stages=6, qloop_tiles=2, qloop_stages=3)])
 TUNE_PREFILL = ([dict(rows_per_program=1, num_warps=4, num_stages=3)]
                 + [dict(rows_per_program=r, num_warps=nw, num_stages=ns) for r in (4, 8) for nw in (4, 8)
                    for ns in (2, 3, 4)])

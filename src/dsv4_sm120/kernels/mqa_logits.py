@@ -60,6 +60,8 @@ PREFILL_CONFIG = dict(num_warps=4, num_stages=3)
 STRIDED = True
 PAGE_HINT = True  # contiguous split only: load the first page id before waiting on the queries
 EARLY_Q = False  # contiguous split only
+QLOOP_TILES = 0  # strided split: programs of at most this many tiles load the queries inside the pipeline
+QLOOP_STAGES = 3
 # Programs of the one-row kernel resident per multiprocessor, by pipeline depth, from the sm_90 build's shared
 # memory (q 16 KiB + num_stages / 2 key pages of 16 KiB: 49 / 66 / 82 KiB of 228 KiB); registers (72) do not bind.
 CTAS_PER_SM = {2: 6, 3: 4, 4: 4, 5: 3, 6: 3, 7: 2, 8: 2}
@@ -142,12 +144,34 @@ def _score_row(q_t, w, kv_ptr, pt_row, out_row, ref_pt, seq, t0, t1,
 
 
 @triton.jit
+def _score_row_qloop(q_row, w, kv_ptr, pt_row, out_row, seq, t0, t1, step, stride_q_head,
+                     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
+                     FP32_DOT: tl.constexpr):
+    """As _score_row (one page a tile, all pages stored) for programs of a few tiles: the queries are
+    loaded inside the loop, so the pipeline fetches them asynchronously beside the first key page
+    instead of waiting for them before it starts (they come from L2 after the first tile)."""
+    heads = tl.arange(0, H)
+    dims = tl.arange(0, D)
+    offs = tl.arange(0, PAGE)
+    in_page = offs[:, None] * D + dims[None, :]
+    for t in tl.range(t0, t1, step, num_stages=STAGES):
+        n = t * PAGE + offs
+        live = n < seq
+        page = tl.load(pt_row + t).to(tl.int64)
+        k = tl.load(kv_ptr + page * (PAGE * D) + in_page, mask=live[:, None], other=0.0)
+        q_t = tl.load(q_row + heads[None, :] * stride_q_head + dims[:, None])
+        s = tl.sum(_tile_scores(k, q_t, w, FP32_DOT), axis=1)
+        tl.store(out_row + n, s, mask=live)
+
+
+@triton.jit
 def _logits_kernel(
     q_ptr, w_ptr, kv_ptr, seq_ptr, pt_ptr, out_ptr,
     stride_q_row, stride_q_head, stride_w_row, stride_pt_row, stride_out_row,
     n_rows, max_seq_len, splits, min_tiles, pt_cols,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, R: tl.constexpr, TP: tl.constexpr,
-    EARLY_Q: tl.constexpr, PAGE_HINT: tl.constexpr, STRIDED: tl.constexpr, FP32_DOT: tl.constexpr,
+    EARLY_Q: tl.constexpr, PAGE_HINT: tl.constexpr, STRIDED: tl.constexpr, QLOOP_TILES: tl.constexpr,
+    QLOOP_STAGES: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     if R == 1 and STRIDED:  # decode: program (row, split) scores tiles split, split + P, ... of the row
         row = tl.program_id(0)
@@ -157,13 +181,24 @@ def _logits_kernel(
         # the first tile's page id and the queries do not depend on the row's length: all three loads
         # are in flight at once, and the pipeline's own load of the page id then finds it on chip
         first_page = tl.load(pt_row + split * TP, mask=split * TP < pt_cols, other=0)
-        q_t, w = _load_row_q(q_ptr + row64 * stride_q_row, w_ptr + row64 * stride_w_row, stride_q_head, H, D)
+        if QLOOP_TILES == 0:
+            q_t, w = _load_row_q(q_ptr + row64 * stride_q_row, w_ptr + row64 * stride_w_row, stride_q_head, H, D)
+        else:
+            w = tl.load(w_ptr + row64 * stride_w_row + tl.arange(0, H)).to(tl.float32)
         seq = tl.minimum(tl.load(seq_ptr + row), max_seq_len)
         n_tiles = tl.cdiv(tl.cdiv(seq, PAGE), TP)
         active = tl.minimum(splits, tl.cdiv(n_tiles, min_tiles))  # programs that share this row's tiles
         if (split < active) & (first_page >= 0):  # (page ids are >= 0: the test keeps the load ahead of the branch)
-            _score_row(q_t, w, kv_ptr, pt_row, out_ptr + row64 * stride_out_row, pt_row, seq, split, n_tiles,
-                       D, PAGE, TP, False, FP32_DOT, first_page, active)
+            if QLOOP_TILES == 0:
+                _score_row(q_t, w, kv_ptr, pt_row, out_ptr + row64 * stride_out_row, pt_row, seq, split, n_tiles,
+                           D, PAGE, TP, False, FP32_DOT, first_page, active)
+            elif tl.cdiv(n_tiles - split, active) <= QLOOP_TILES:  # a short program: queries in the pipeline
+                _score_row_qloop(q_ptr + row64 * stride_q_row, w, kv_ptr, pt_row, out_ptr + row64 * stride_out_row,
+                                 seq, split, n_tiles, active, stride_q_head, H, D, PAGE, QLOOP_STAGES, FP32_DOT)
+            else:
+                q_t, w2 = _load_row_q(q_ptr + row64 * stride_q_row, w_ptr + row64 * stride_w_row, stride_q_head, H, D)
+                _score_row(q_t, w2, kv_ptr, pt_row, out_ptr + row64 * stride_out_row, pt_row, seq, split, n_tiles,
+                           D, PAGE, TP, False, FP32_DOT, first_page, active)
     elif R == 1:  # decode: program (row, split) scores a contiguous share of the row's live tiles
         row = tl.program_id(0)
         split = tl.program_id(1)
@@ -264,6 +299,8 @@ def bf16_paged_mqa_logits(
     early_q: bool = EARLY_Q,
     page_hint: bool = PAGE_HINT,
     strided: bool = STRIDED,
+    qloop_tiles: int = QLOOP_TILES,
+    qloop_stages: int = QLOOP_STAGES,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
@@ -304,7 +341,8 @@ def bf16_paged_mqa_logits(
         q.stride(0), q.stride(1), weights.stride(0), page_table.stride(0), out.stride(0),
         rows, max_seq_len, int(splits), int(min_tiles), page_table.shape[1],
         H=q.shape[1], D=HEAD_DIM, PAGE=PAGE_SLOTS, R=r, TP=int(tile_pages), EARLY_Q=bool(early_q),
-        PAGE_HINT=bool(page_hint), STRIDED=bool(strided), FP32_DOT=interpreting(),
+        PAGE_HINT=bool(page_hint), STRIDED=bool(strided),
+        QLOOP_TILES=int(qloop_tiles) if tile_pages == 1 else 0, QLOOP_STAGES=int(qloop_stages), FP32_DOT=interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
