@@ -56,15 +56,17 @@ PREFILL_CONFIG = dict(num_warps=4, num_stages=3)
 # Decode latency, H200 tunes at 28550c0 and dfdbd85 (tiny batches, 512 pages: 5-6 us kernels): the strided
 # split (program p of a row takes tiles p, p + P, ...), whose first page id does not depend on the row's
 # length and is loaded together with the length and the queries, beat the contiguous split with the same
-# page-id hint by 5-15%, and that beat loading the queries before the length (EARLY_Q) by 5-8%.
+# page-id hint by 3-15%, and that beat loading the queries before the length (EARLY_Q) by 5-8%.
 STRIDED = True
 PAGE_HINT = True  # contiguous split only: load the first page id before waiting on the queries
 EARLY_Q = False  # contiguous split only
 QLOOP_TILES = 0  # strided split: programs of at most this many tiles load the queries inside the pipeline
+# (tune 5f3f1cc: faster only where a program has one tile, 1 x 4k; slower for long programs, so off)
 QLOOP_STAGES = 3
 # Programs of the one-row kernel resident per multiprocessor, by pipeline depth, from the sm_90 build's shared
-# memory (q 16 KiB + num_stages / 2 key pages of 16 KiB: 49 / 66 / 82 KiB of 228 KiB); registers (72) do not bind.
-CTAS_PER_SM = {2: 6, 3: 4, 4: 4, 5: 3, 6: 3, 7: 2, 8: 2}
+# memory (q 16 KiB + num_stages // 2 key pages of 16 KiB: 49 / 66 / 82 KiB at 4 / 6 / 8 stages, of 228 KiB);
+# registers (72) do not bind.
+CTAS_PER_SM = {2: 6, 3: 6, 4: 4, 5: 4, 6: 3, 7: 3, 8: 2}
 _SM_COUNT: dict = {}
 
 
