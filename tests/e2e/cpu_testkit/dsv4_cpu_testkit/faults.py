@@ -12,7 +12,8 @@ this watcher; the test drops a file there to ask for a fault:
   is put on its queue so the exception lands at once, before the item is read.
 
 * ``drop-next-request``: a rank-local divergence for the collective-guard
-  scenario. On TP rank 1 only, the next generate request that the scheduler
+  scenario. On TP rank 1 only (of the server the file names: ``prefill`` or
+  ``decode``), the next generate request that the scheduler
   loop receives is taken out of that rank's PD queue right after the loop
   ingested it (every rank got it from the broadcast; rank 1 forgets it), as a
   rank-local abort would. This one runs inside the scheduler thread, from an
@@ -103,7 +104,11 @@ def drop_on_rank1(original, scheduler, recv_reqs, *args, **kwargs):
     if not fault_dir or get_parallel().tp_rank != 1:
         return result
     ask = Path(fault_dir) / "drop-next-request"
-    if not ask.exists():
+    try:
+        role = ask.read_text().strip()
+    except FileNotFoundError:
+        return result
+    if role and role != getattr(getattr(scheduler, "disaggregation_mode", None), "value", None):
         return result
     rids = {getattr(r, "rid", None) for r in recv_reqs or ()} - {None}
     queue = scheduler.disagg_prefill_bootstrap_queue or scheduler.disagg_decode_prealloc_queue
