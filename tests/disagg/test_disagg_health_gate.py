@@ -14,6 +14,7 @@ tests/disagg/test_disagg_liveness.py and, on a real server, tests/e2e/test_pd_li
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from types import SimpleNamespace
 
@@ -77,3 +78,27 @@ def test_busy_scheduler_does_not_vouch_for_a_dead_nixl_thread(busy_scheduler, de
     busy_scheduler.maybe_send_health_check_signal()
     assert busy_scheduler.ipc_channels.send_to_tokenizer.sent == []  # no answer: /health times out, 503
     assert not busy_scheduler.return_health_check_ipcs  # and the queued checks are not answered later either
+
+
+def test_a_dead_transfer_worker_fails_health(busy_scheduler):
+    """A transfer worker thread that ended (upstream's workers never return) is a problem, next to a live
+    bootstrap thread; the worker registers from its own thread, as the ``transfer_worker`` hook does."""
+    from dsv4_sm120.disagg import liveness
+
+    mgr = _Manager()
+    watch = liveness.watch_for(mgr)
+    alive = threading.Event()
+    bootstrap = threading.Thread(target=alive.wait, daemon=True)
+    bootstrap.start()
+    watch.bootstrap = SimpleNamespace(thread=bootstrap, exit_reason=None, last_beat=float("inf"), busy_since=None)
+    try:
+        worker = threading.Thread(target=lambda: watch.add_worker(0, liveness.ProgressQueue(deque())))
+        worker.start()
+        worker.join()
+        assert [p for p in liveness.problems() if "health-gate-test" in p] == [
+            "NIXL prefill engine_rank=0 agent=health-gate-test: transfer worker 0 is dead"]
+        busy_scheduler.maybe_send_health_check_signal()
+        assert busy_scheduler.ipc_channels.send_to_tokenizer.sent == []
+    finally:
+        alive.set()
+        liveness.forget(mgr)

@@ -9,10 +9,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mutation_engine  # noqa: E402
 
-ROWS: list = []
-
 
 def pytest_terminal_summary(terminalreporter):
-    if ROWS:
+    if mutation_engine.ROWS:
         terminalreporter.section("dsv4-sm120 mutations")
-        terminalreporter.write_line(mutation_engine.table(ROWS))
+        terminalreporter.write_line(mutation_engine.table(mutation_engine.ROWS))

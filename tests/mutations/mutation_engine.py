@@ -24,6 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly")
+ROWS: list = []  # rows of the pytest run, printed by conftest.py at the end of the report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,12 +172,13 @@ class Runner:
         strays = {n: f for n, f in data.get("modules", {}).items() if f and not f.startswith(str(root))}
         if strays:
             return f"modules imported from outside the copy: {sorted(strays)[:3]}"
-        if mutation is not None and not mutation.imported_in_subprocess:
-            wanted = {module_of(e.path) for e in mutation.edits if e.path.endswith(".py")}
-            unseen = wanted - set(data.get("modules", {}))
-            if unseen:
-                return f"the listed tests never imported the mutated module(s) {sorted(unseen)}"
         return None
+
+    @staticmethod
+    def _unseen(data: dict, mutation: Mutation) -> list[str]:
+        """Mutated modules the pytest process never imported (a subprocess it spawned may have)."""
+        wanted = {module_of(e.path) for e in mutation.edits if e.path.endswith(".py")}
+        return sorted(wanted - set(data.get("modules", {})))
 
     # -- runs --------------------------------------------------------------------------------
     def baseline(self, mutations) -> Row:
@@ -218,8 +220,10 @@ class Runner:
         elif result["exit"] in (1, 2) and data.get("failed"):
             row = Row(mutation.name, mutation.tests, "caught", seconds, data["failed"][0])
         elif result["exit"] == 0:
+            unseen = self._unseen(data, mutation)
+            note = f"; the pytest process never imported {unseen}" if unseen and not mutation.imported_in_subprocess else ""
             row = Row(mutation.name, mutation.tests, "survived", seconds,
-                      f"{len(data.get('passed', []))} listed test(s) passed")
+                      f"{len(data.get('passed', []))} listed test(s) passed{note}")
         else:
             row = Row(mutation.name, mutation.tests, "error", seconds,
                       f"pytest exit {result['exit']} ({data.get('error', '')}); log tail:\n{log[-2000:]}")

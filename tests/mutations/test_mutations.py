@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 
 import mutation_engine as engine
-from conftest import ROWS
 from mutation_catalog import MUTATIONS
 
 pytestmark = [pytest.mark.mutations, pytest.mark.timeout(900)]
@@ -52,5 +51,5 @@ def test_every_switch_has_a_mutation():
 )
 def test_mutation_is_caught(runner, mutation):
     row = runner.mutate(mutation)
-    ROWS.append(row)
+    engine.ROWS.append(row)
     assert row.result == "caught", f"{mutation.name} ({mutation.covers}): {row.result}: {row.detail}"
