@@ -97,7 +97,9 @@ MUTATIONS: tuple[Mutation, ...] = (
       ("tests/disagg/test_disagg_units.py::test_switch_off_registers_no_hook",)),
     M("switch-nixl-hardening-per-call-ignored", "switch DSV4_SM120_NIXL_HARDENING=0 at call time: the pin's thread",
       (E(DISAGG + "hooks.py", "    return load().nixl_hardening", "    return True"),),
-      (FRAMES + "test_pin_thread_dies_on_a_foreign_frame_and_sessions_stall",)),
+      # the first builds the hardened pair (hooks registered), the second a pin pair in the same process
+      (FRAMES + "test_foreign_frame_is_rejected_and_thread_keeps_serving",
+       FRAMES + "test_pin_thread_dies_on_a_foreign_frame_and_sessions_stall")),
     M("bootstrap-backstop-narrowed", "audit: the bootstrap loop's backstop catches any handler error",
       (E(DISAGG + "bootstrap.py", "except Exception as exc:  # an upstream handler failed on this frame",
          "except KeyError as exc:  # an upstream handler failed on this frame"),),

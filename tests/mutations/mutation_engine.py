@@ -153,7 +153,7 @@ class Runner:
         log = self.workdir / f"job{self._count}.log"
         report = self.workdir / f"job{self._count}.json"
         job = {
-            "root": str(root), "log": str(log), "report": str(report), "timeout_s": timeout_s + 20,
+            "root": str(root), "log": str(log), "report": str(report), "timeout_s": timeout_s + 10,
             "args": [*PYTEST_ARGS, "-o", f"timeout={int(timeout_s)}", *tests], "env": dict(env),
         }
         server = self._server()
