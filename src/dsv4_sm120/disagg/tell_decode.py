@@ -28,8 +28,8 @@ from dsv4_sm120 import metrics
 logger = logging.getLogger("dsv4_sm120.disagg")
 
 
-def room_failed(mgr, room: int, reason: str, tombstones=None) -> bool:
-    """Fail ``room`` on this prefill with ``reason`` and tell its decode; True if a decode was told now.
+def room_failed(mgr, room: int, reason: str, tombstones=None) -> None:
+    """Fail ``room`` on this prefill with ``reason`` and tell its decode (now, or when its transfer info comes).
 
     Call it before upstream's own release of the room (``sender.abort()``), so the
     decode gets this reason and not upstream's generic one. ``tombstones``: the
@@ -46,11 +46,9 @@ def room_failed(mgr, room: int, reason: str, tombstones=None) -> bool:
         mgr.conclude_failure(bootstrap_room=room, failure_reason=reason, targets=targets)
         metrics.inc("nixl_decode_told_failed_total", when="at once")
         logger.info("dsv4-sm120: room %s failed on the prefill; told %d decode endpoint(s)", room, len(targets))
-        return True
-    if room in mgr.request_status:
+    elif room in mgr.request_status:
         mgr.record_failure(room, reason)
         mgr.update_status(room, KVPoll.Failed)
-    return False
 
 
 def answer_late_transfer_info(mgr, room: int, info, reason: str) -> None:
