@@ -90,7 +90,7 @@ def install(monkeypatch, host_pool) -> dict:
         dst_ptrs[0][dst_indices] = src_ptrs[0][src_indices, layer_id, 0]
 
     def sub_page_copy(*args, **kwargs):
-        raise SubPageCopyCalled("transfer_cache_dsv4_mla would split a bf16 row as fp8 keys + scales")
+        raise SubPageCopyCalled("transfer_cache_dsv4_mla would copy a bf16 row as main-KV tokens (576 B value + 8 B scale)")
 
     for name, fn in {
         "transfer_kv_all_layer_mla": all_layer_mla,
