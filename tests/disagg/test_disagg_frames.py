@@ -132,6 +132,8 @@ def test_ten_thousand_generated_frames_never_kill_the_thread(make_pd):
 
 def _bad_transfer_info(pd, s) -> list[bytes]:
     """The registered decode's own transfer-info frame for ``s``, with KV indices no int32 array can hold."""
+    # The decode registers over its own socket, this frame goes over another: no order between them.
+    assert wait_until(lambda: pd.decode.agent.name in pd.prefill.decode_kv_args_table, 5.0), "the decode never registered"
     frame = pd.metadata_frame(s)
     frame[5] = b"\x00\x01\x02"  # 3 bytes: TransferInfo.from_zmq raises in np.frombuffer
     return frame
