@@ -5,8 +5,10 @@ host item is the device page row (``_dsv4_indexer_regions``), so the host pool
 is a ``DeepSeekV4PagedHostPool`` with 16384-byte rows and the same host page
 count as the C4 KV pool (upstream's ratio rules). What upstream gets wrong for
 bf16 is the sub-page copy: a transfer that is not a whole number of pages goes
-through ``transfer_cache_dsv4_mla``, a kernel hard-wired to the fp8 C4 row
-(128 B keys, then 4 B scales). On a bf16 row it would move the wrong bytes, so
+through ``transfer_cache_dsv4_mla``, a kernel hard-wired to one fixed token layout
+(a 576 B value and an 8 B scale per token, ``hisparse.cuh``), which is neither a bf16
+index-K row (256 B keys) nor anything it can be told about. On a bf16 row it would move
+the wrong bytes, so
 the bf16 mirror must refuse sub-page transfers (``page_aligned_only``), as
 upstream's own fp4 indexer mirror does.
 
