@@ -148,6 +148,24 @@ def peer_agreement(ours, theirs, sl):
     return {"fp8_vs_bf16_rel_err": err, "fp8_vs_bf16_top512_overlap_min": min(overlap)}
 
 
+def _time_alternating(res: dict, timers: dict, rounds: int) -> None:
+    """Each timer once per round, in turn (drift hits every kernel alike); the median and every round into ``res``."""
+    times = {k: [] for k in timers}
+    for _ in range(rounds):
+        for k, timer in timers.items():
+            times[k].append(timer())
+    for k, ts in times.items():
+        res[f"{k}_ms"] = sorted(ts)[len(ts) // 2]
+        res[f"{k}_ms_rounds"] = ts
+
+
+def _compare_with_peer(res: dict, out, theirs_out, sl) -> None:
+    """Our time over the peer's, and how far the two kernels' logits agree (when the peer ran)."""
+    if theirs_out is not None:
+        res["ratio"] = res["ours_ms"] / res["fp8_ms"]
+        res.update(peer_agreement(out, theirs_out, sl))
+
+
 def timed_pair(peer, q, w, pages, sl, pt, width, rounds=3, **kw):
     """Our kernel and upstream's on the same inputs, timed in alternating rounds after a pre-heat.
 
@@ -168,16 +186,8 @@ def timed_pair(peer, q, w, pages, sl, pt, width, rounds=3, **kw):
         except Exception as exc:  # upstream's kernel failing on a shape is a finding, not a crash of the run
             res["fp8_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     g.preheat()
-    times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            times[k].append(g.median_ms(fn, rep=60))
-    for k, ts in times.items():
-        res[f"{k}_ms"] = sorted(ts)[len(ts) // 2]
-        res[f"{k}_ms_rounds"] = ts
-    if theirs_out is not None:
-        res["ratio"] = res["ours_ms"] / res["fp8_ms"]
-        res.update(peer_agreement(out, theirs_out, sl))
+    _time_alternating(res, {k: (lambda fn=fn: g.median_ms(fn, rep=60)) for k, fn in fns.items()}, rounds)
+    _compare_with_peer(res, out, theirs_out, sl)
     del scratch, theirs_out
     return res, out
 
@@ -254,16 +264,8 @@ def timed_pair_graph(peer, draws, pages, sl, width, rounds=5, **kw):
             r.update(timing="do_bench", fp8_graph_error=res["fp8_graph_error"])
             return r, o
     g.preheat()
-    times = {k: [] for k in graphs}
-    for _ in range(rounds):
-        for k, gr in graphs.items():
-            times[k].append(_replay_ms(gr, len(draws)))
-    for k, ts in times.items():
-        res[f"{k}_ms"] = sorted(ts)[len(ts) // 2]
-        res[f"{k}_ms_rounds"] = ts
-    if theirs_out is not None:
-        res["ratio"] = res["ours_ms"] / res["fp8_ms"]
-        res.update(peer_agreement(out, theirs_out, sl))
+    _time_alternating(res, {k: (lambda gr=gr: _replay_ms(gr, len(draws))) for k, gr in graphs.items()}, rounds)
+    _compare_with_peer(res, out, theirs_out, sl)
     del graphs, scratch, theirs_out
     torch.cuda.synchronize()
     return res, out
