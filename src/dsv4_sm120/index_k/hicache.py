@@ -70,7 +70,9 @@ def _host_pool_class():
         index_k_ledger = None
 
         def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
-            if self.index_k_ledger is not None and self._has_transfer_indices(host_indices, device_indices):
+            # A transfer that is not whole pages goes straight to upstream, which refuses it (page_aligned_only).
+            if (self.index_k_ledger is not None and self._has_transfer_indices(host_indices, device_indices)
+                    and host_indices.numel() % self.slot_page_size == 0):
                 host_pages = self._to_page_indices(host_indices)
                 device_pages = self._to_page_indices(device_indices).to(self.device_buffers[0].device)
                 for layer, rows in enumerate(self.device_buffers):
