@@ -1,0 +1,433 @@
+"""H200 bench of the latency-bound decode shapes of the bf16 logits kernel against upstream's TileLang fp8 kernel.
+
+Issue 14 asks for ours/fp8 <= 1.00 on every decode shape; the 2026-12-01 headline run missed it only on the
+tiny ones (1 x 4k, 1 x 32k, 8 x 4k: 3.5-6 us kernels of 64-512 pages). This script times, in one run and
+beside upstream's kernel on the same page draws, the package's kernel (``base``) and candidate decode
+kernels defined here, which differ from it only in how a short program starts:
+
+* ``hint``: the page ids of a program's first HINT_TILES tiles are loaded with the row's length (the
+  package loads only the first), so the pipeline's own page-id loads find them on chip;
+* ``short``: a program with at most HINT_TILES tiles (known on the device from the length; the grid does
+  not depend on it, as CUDA graphs need) loads all its key pages at once into registers, with no pipeline
+  prologue and no page-id round trip, and scores them with one product; longer programs run the
+  package's pipelined loop. Where the host sees that no row of the width can give a program more than
+  HINT_TILES tiles, the loop is not compiled in (less shared memory);
+* ``qin``: the queries are loaded after the length (short programs: after their key loads), not before;
+* ``w8``: 8 warps instead of 4; ``sN``: N programs per row instead of the wave-filling choice.
+
+Timing is bench/indexer_h200.py's: each kernel's launches in one CUDA graph over independent page draws
+(at least 512 MiB of keys per replay), alternating rounds (every kernel once a round), the median. Every
+configuration is checked on the first draw against the float64 reference (rel err, top-512, nothing
+written past a length), and the candidates also on ragged lengths at two widths.
+
+    PYTHONPATH=src COMMIT=$(git rev-parse HEAD) python bench/decode_latency_h200.py --tilelang PATH/tilelang_kernel.py
+
+writes bench/results/indexer_h200_2026-12-01_tiny_<commit>.json (or $OUT_JSON). ``--warm N`` compiles every
+kernel first in N processes (Triton's and TileLang's caches are shared on disk); ``--dry-cpu`` runs tiny
+shapes in Triton's interpreter to check the script and the candidates' results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _gpu_common as g  # noqa: E402  (also puts src/ on sys.path)
+import indexer_h200 as ih  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from dsv4_sm120.kernels import mqa_logits as ml  # noqa: E402
+from dsv4_sm120.kernels._common import interpreting  # noqa: E402
+
+PAGE, D, H, TOPK = ih.PAGE, ih.D, ih.H, ih.TOPK
+WIDTH = ih.CAPTURE_WIDTH
+TINY = ((1, 4096), (1, 32768), (8, 4096))
+# programs per row tried beside the wave-filling choice (64 / 264 / 33 there): TileLang's split (64 / 256 / 32
+# programs a row: 1 / 2 / 2 tiles each) and one tile a program
+SPLIT_VARIANTS = {(1, 4096): (32,), (1, 32768): (256, 512), (8, 4096): (32, 64)}
+DECODE_B, DECODE_LIVE, VERIFY = (1, 8, 64, 256), (4096, 32768, 131072), ((8, 32768), (64, 32768))
+
+
+# ----------------------------------------------------------------------------- candidate kernels
+@triton.jit
+def _hinted_page_ids(pt_row, first_page, split, splits, pt_cols, PAGE: tl.constexpr, HINTS: tl.constexpr):
+    """Page ids of tiles split, split + splits, ... (HINTS of them, one per key slot: [HINTS * PAGE]), read
+    within the table's width (the row's length is not known yet); and a test that they are all >= 0, which
+    keeps their loads ahead of the branch on the length."""
+    slot_tile = tl.arange(0, HINTS * PAGE) // PAGE
+    pages = tl.zeros([HINTS * PAGE], dtype=tl.int32) + first_page
+    ok = first_page >= 0
+    for j in tl.static_range(1, HINTS):
+        t = split + j * splits
+        p = tl.load(pt_row + t, mask=t < pt_cols, other=0)
+        pages = tl.where(slot_tile == j, p, pages)
+        ok = ok & (p >= 0)
+    return pages, ok
+
+
+@triton.jit
+def _load_q_t(q_row, stride_q_head, H: tl.constexpr, D: tl.constexpr):
+    return tl.load(q_row + tl.arange(0, H)[None, :] * stride_q_head + tl.arange(0, D)[:, None])
+
+
+@triton.jit
+def _score_short(q_row, w, q_t, stride_q_head, kv_ptr, out_row, pages, seq, split, splits,
+                 H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, TILES: tl.constexpr, LOAD_Q: tl.constexpr,
+                 FP32_DOT: tl.constexpr):
+    """A program of at most TILES tiles: all its key pages loaded at once, then one [TILES * 64] x [128 x H] product."""
+    slot = tl.arange(0, TILES * PAGE)
+    n = (split + (slot // PAGE) * splits) * PAGE + slot % PAGE
+    live = n < seq
+    k = tl.load(kv_ptr + pages.to(tl.int64)[:, None] * (PAGE * D) + ((slot % PAGE) * D)[:, None]
+                + tl.arange(0, D)[None, :], mask=live[:, None], other=0.0)
+    if LOAD_Q:
+        q_t = _load_q_t(q_row, stride_q_head, H, D)
+    s = tl.sum(ml._tile_scores(k, q_t, w, FP32_DOT), axis=1)
+    tl.store(out_row + n, s, mask=live)
+
+
+@triton.jit
+def _score_long(q_row, w, q_t, stride_q_head, kv_ptr, pt_row, out_row, seq, split, n_tiles, active, first_page,
+                H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, LOAD_Q: tl.constexpr, FP32_DOT: tl.constexpr):
+    """The package's pipelined loop over tiles split, split + active, ... (queries loaded here with LOAD_Q)."""
+    if LOAD_Q:
+        q_t = _load_q_t(q_row, stride_q_head, H, D)
+    ml._score_row(q_t, w, kv_ptr, pt_row, out_row, pt_row, seq, split, n_tiles, D, PAGE, 1, False, FP32_DOT,
+                  first_page, active)
+
+
+@triton.jit
+def _candidate_kernel(
+    q_ptr, w_ptr, kv_ptr, seq_ptr, pt_ptr, out_ptr,
+    stride_q_row, stride_q_head, stride_w_row, stride_pt_row, stride_out_row, max_seq_len, splits, pt_cols,
+    H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, HINT_TILES: tl.constexpr, SHORT: tl.constexpr,
+    Q_IN_BRANCH: tl.constexpr, HAS_LONG: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """The package's strided decode split (program p of a row takes tiles p, p + P, ...) with the variants above."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    pt_row = pt_ptr + row64 * stride_pt_row
+    q_row = q_ptr + row64 * stride_q_row
+    out_row = out_ptr + row64 * stride_out_row
+    first_page = tl.load(pt_row + split, mask=split < pt_cols, other=0)
+    pages, pages_ok = _hinted_page_ids(pt_row, first_page, split, splits, pt_cols, PAGE, HINT_TILES)
+    w = tl.load(w_ptr + row64 * stride_w_row + tl.arange(0, H)).to(tl.float32)
+    q_t = 0
+    if not Q_IN_BRANCH:
+        q_t = _load_q_t(q_row, stride_q_head, H, D)
+    seq = tl.minimum(tl.load(seq_ptr + row), max_seq_len)
+    n_tiles = tl.cdiv(seq, PAGE)
+    active = tl.minimum(splits, n_tiles)
+    if (split < active) & pages_ok:
+        if SHORT:
+            if not HAS_LONG:
+                _score_short(q_row, w, q_t, stride_q_head, kv_ptr, out_row, pages, seq, split, splits,
+                             H, D, PAGE, HINT_TILES, Q_IN_BRANCH, FP32_DOT)
+            elif n_tiles <= HINT_TILES * splits:
+                _score_short(q_row, w, q_t, stride_q_head, kv_ptr, out_row, pages, seq, split, splits,
+                             H, D, PAGE, HINT_TILES, Q_IN_BRANCH, FP32_DOT)
+            else:
+                _score_long(q_row, w, q_t, stride_q_head, kv_ptr, pt_row, out_row, seq, split, n_tiles, active,
+                            first_page, H, D, PAGE, Q_IN_BRANCH, FP32_DOT)
+        else:
+            _score_long(q_row, w, q_t, stride_q_head, kv_ptr, pt_row, out_row, seq, split, n_tiles, active,
+                        first_page, H, D, PAGE, Q_IN_BRANCH, FP32_DOT)
+
+
+def candidate_logits(q, pages, weights, seq_lens, page_table, max_seq_len, *, out, hint_tiles=2, short=True,
+                     q_in_branch=False, splits=None, num_warps=4, num_stages=8):
+    """Launch a candidate on the package's inputs (decode: one row per program). Returns out."""
+    q, weights, seq_lens, page_table = ml._normalize(q, weights, seq_lens, page_table)
+    rows = q.shape[0]
+    if splits is None:
+        splits = ml.decode_splits(rows, max_seq_len, device=q.device, num_stages=num_stages)
+    per_program = triton.cdiv(triton.cdiv(max_seq_len, PAGE), splits)  # most tiles a program of this width takes
+    hint = max(1, min(int(hint_tiles), per_program))
+    has_long = not short or per_program > hint
+    _candidate_kernel[(rows, int(splits))](
+        q, weights, pages, seq_lens, page_table, out,
+        q.stride(0), q.stride(1), weights.stride(0), page_table.stride(0), out.stride(0), max_seq_len, int(splits),
+        page_table.shape[1], H=q.shape[1], D=D, PAGE=PAGE, HINT_TILES=hint, SHORT=bool(short),
+        Q_IN_BRANCH=bool(q_in_branch), HAS_LONG=bool(has_long), FP32_DOT=interpreting(),
+        num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+# ----------------------------------------------------------------------------- configurations per shape
+def configs_for(b, live, width, verify=False):
+    """name -> (kind, kwargs): ``base`` is the package's default launch; the rest are candidates."""
+    cfg = {"base": ("package", {}),
+           "hint2": ("candidate", dict(hint_tiles=2, short=False)),
+           "short": ("candidate", dict(hint_tiles=2, short=True)),
+           "short_w8": ("candidate", dict(hint_tiles=2, short=True, num_warps=8)),
+           "short_qin": ("candidate", dict(hint_tiles=2, short=True, q_in_branch=True)),
+           "short_qin_w8": ("candidate", dict(hint_tiles=2, short=True, q_in_branch=True, num_warps=8))}
+    if verify or (b, live) not in TINY:
+        cfg["hint4"] = ("candidate", dict(hint_tiles=4, short=False))
+        cfg["base_w8"] = ("package", dict(num_warps=8))
+        return cfg
+    cfg["base_w8"] = ("package", dict(num_warps=8))
+    cfg["hint2_qin"] = ("candidate", dict(hint_tiles=2, short=False, q_in_branch=True))
+    if width == live:  # the grid may change with the width (never with the live length)
+        for sp in SPLIT_VARIANTS.get((b, live), ()):
+            cfg[f"short_s{sp}"] = ("candidate", dict(hint_tiles=2, short=True, splits=sp))
+            cfg[f"short_w8_s{sp}"] = ("candidate", dict(hint_tiles=2, short=True, splits=sp, num_warps=8))
+    return cfg
+
+
+def launcher(kind, kw, pool, width):
+    if kind == "package":
+        return lambda q, w, sl, pt, out: ml.bf16_paged_mqa_logits(q, pool, w, sl, pt, width, out=out, **kw)
+    return lambda q, w, sl, pt, out: candidate_logits(q, pool, w, sl, pt, width, out=out, **kw)
+
+
+def all_shapes():
+    """(tag, B, live, width, rows_per_req) for every decode and target-verify shape of the headline run."""
+    out = []
+    for b in DECODE_B:
+        for live in DECODE_LIVE:
+            for width in sorted({live, WIDTH}):
+                out.append(("decode", b, live, width, 1))
+    for b, live in VERIFY:
+        for width in sorted({live, WIDTH}):
+            out.append(("target_verify", b, live, width, 2))
+    return out
+
+
+# ----------------------------------------------------------------------------- warm-up in parallel
+def _warm_worker(jobs):
+    """Compile (launch on lengths 0) every kernel a list of jobs needs, in a fresh process."""
+    t0 = time.time()
+    torch.cuda.set_device(0)
+    pool = torch.zeros((64, PAGE, D), dtype=torch.bfloat16, device="cuda")
+    done = 0
+    for job in jobs:
+        if job[0] == "tilelang":
+            _, path, rows, width = job
+            fn, why = ih.load_tilelang(path)
+            if fn is None:
+                return f"tilelang not loaded: {why}"
+            pool8 = ih.fp8_pool(pool)
+            q8 = torch.zeros((rows, 1, H, D), dtype=torch.float8_e4m3fn, device="cuda")
+            w8 = torch.zeros((rows, H), device="cuda")
+            sl = torch.zeros((rows,), dtype=torch.int32, device="cuda")
+            pt = torch.zeros((rows, width // PAGE), dtype=torch.int32, device="cuda")
+            fn(q8, pool8, w8, sl, pt, None, width, False)
+        else:
+            _, kind, kw, rows, width = job
+            q = torch.zeros((rows, H, D), dtype=torch.bfloat16, device="cuda")
+            w = torch.zeros((rows, H), device="cuda")
+            sl = torch.zeros((rows,), dtype=torch.int32, device="cuda")
+            pt = torch.zeros((rows, width // PAGE), dtype=torch.int32, device="cuda")
+            out = torch.empty((rows, width), device="cuda")
+            launcher(kind, kw, pool, width)(q, w, sl, pt, out)
+        done += 1
+    torch.cuda.synchronize()
+    return f"{done} jobs in {time.time() - t0:.1f} s"
+
+
+def warm(n_procs, tilelang_path):
+    """Every (kernel, specialization) of the run compiled once, spread over n_procs processes."""
+    import multiprocessing as mp
+
+    jobs, seen = [], set()
+    for tag, b, live, width, rpr in all_shapes():
+        rows = b * rpr
+        for name, (kind, kw) in configs_for(b, live, width, verify=tag != "decode").items():
+            key = (kind, tuple(sorted(kw.items())), rows, width)
+            if key not in seen:
+                seen.add(key)
+                jobs.append(("triton", kind, kw, rows, width))
+        if tilelang_path:
+            split_kv = max(1, min(width // PAGE, 256 // rows))
+            if ("tl", split_kv) not in seen:
+                seen.add(("tl", split_kv))
+                jobs.append(("tilelang", tilelang_path, rows, width))
+    tl_jobs = [j for j in jobs if j[0] == "tilelang"]
+    tr_jobs = [j for j in jobs if j[0] != "tilelang"]
+    chunks = [[j] for j in tl_jobs] + [tr_jobs[i::max(1, n_procs - len(tl_jobs))]
+                                       for i in range(max(1, n_procs - len(tl_jobs)))]
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(min(n_procs, len(chunks))) as p:
+        msgs = p.map(_warm_worker, [c for c in chunks if c])
+    print(f"warm: {len(jobs)} jobs ({len(tl_jobs)} TileLang) in {time.time() - t0:.1f} s: {msgs}", flush=True)
+    return {"jobs": len(jobs), "tilelang_jobs": len(tl_jobs), "seconds": time.time() - t0}
+
+
+# ----------------------------------------------------------------------------- measuring
+def reference(q, pool, w, sl, pt, width, rows):
+    idx = torch.as_tensor(rows, device=q.device)
+    return idx, ml.paged_mqa_logits_ref(q[idx], pool, w[idx], sl[idx], pt[idx], width, dtype=torch.float64,
+                                        rows_per_chunk=1)
+
+
+def check_against(out, idx, ref, sl):
+    """rel err vs the float64 reference, top-512 identical, every live column written, nothing past a length."""
+    got = out[idx]
+    live = torch.isfinite(ref)
+    err = float((got[live] - ref[live]).norm() / ref[live].norm())
+    same = all(set(torch.topk(got[i, :n], min(TOPK, n)).indices.tolist())
+               == set(torch.topk(ref[i, :n], min(TOPK, n)).indices.tolist())
+               for i, n in enumerate(sl[idx].tolist()))
+    return {"rel_err": err, "top512_identical": same, "live_all_written": not bool(got[live].isnan().any()),
+            "past_length_untouched": bool(got[~live].isnan().all())}
+
+
+def time_shape(peer, pool, draws, sl, width, configs, rounds):
+    """Every configuration and upstream's kernel on the same draws: checks on draw 0, then alternating rounds."""
+    q0, w0, pt0 = draws[0]
+    idx, ref = reference(q0, pool, w0, sl, pt0, width, list(range(min(q0.shape[0], 3))))
+    res = {"draws": len(draws), "configs": {}}
+    scratch = torch.empty((q0.shape[0], width), device=q0.device)
+    timers = {}
+    for name, (kind, kw) in configs.items():
+        run = launcher(kind, kw, pool, width)
+        out = torch.full((q0.shape[0], width), float("nan"), device=q0.device)
+        entry = {"kind": kind, **kw}
+        try:
+            run(q0, w0, sl, pt0, out)
+            entry["check"] = check_against(out, idx, ref, sl)
+            if g._DRY["on"]:
+                timers[name] = lambda run=run: _wall_ms(lambda: run(q0, w0, sl, pt0, scratch))
+            else:
+                graph = ih._capture([(lambda q=q, w=w, pt=pt, run=run: run(q, w, sl, pt, scratch)) for q, w, pt in draws])
+                timers[name] = lambda gr=graph: ih._replay_ms(gr, len(draws))
+        except Exception as exc:  # a candidate failing on a shape is recorded, not fatal
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[-400:]}"
+        res["configs"][name] = entry
+        del out
+    if peer is not None:
+        try:
+            prepared = [peer.prepare(q, w) + (pt,) for q, w, pt in draws]
+            if g._DRY["on"]:
+                q8, w8, pt8 = prepared[0]
+                timers["fp8"] = lambda: _wall_ms(lambda: peer(q8, w8, sl, pt8, width))
+            else:
+                graph = ih._capture([(lambda q8=q8, w8=w8, pt=pt: peer(q8, w8, sl, pt, width)) for q8, w8, pt in prepared])
+                timers["fp8"] = lambda gr=graph: ih._replay_ms(gr, len(draws))
+        except Exception as exc:
+            res["fp8_error"] = f"{type(exc).__name__}: {str(exc)[-400:]}"
+    g.preheat()
+    times = {}
+    ih._time_alternating(times, timers, rounds)
+    res["fp8_ms"] = times.get("fp8_ms")
+    res["fp8_ms_rounds"] = times.get("fp8_ms_rounds")
+    for name, entry in res["configs"].items():
+        if f"{name}_ms" in times:
+            entry["ms"], entry["ms_rounds"] = times[f"{name}_ms"], times[f"{name}_ms_rounds"]
+            entry["ratio"] = entry["ms"] / res["fp8_ms"] if res["fp8_ms"] else None
+    ok = {n: e for n, e in res["configs"].items() if "ms" in e and _passes(e["check"])}
+    res["best"] = min(ok, key=lambda n: ok[n]["ms"]) if ok else None
+    del timers, scratch
+    if not g._DRY["on"]:
+        torch.cuda.synchronize()
+    return res
+
+
+def _passes(check):
+    return (check["rel_err"] <= 1e-5 and check["top512_identical"] and check["live_all_written"]
+            and check["past_length_untouched"])
+
+
+def _wall_ms(fn):
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def ragged_checks(pool, gen, dev, dry):
+    """Each candidate on rows of mixed lengths (short and long programs in one launch) at two widths."""
+    out = []
+    cases = [((1, 63, 64, 65, 700, 2048, 4095, 4096), 4096), ((1, 63, 64, 65, 700, 4096, 4097, 20000), 32768),
+             ((1, 65, 4000, 4096, 33000, 70001, 131072, 2), WIDTH)]
+    if dry:
+        cases = [((1, 63, 64, 65, 200, 255, 256, 130), 256), ((1, 65, 300, 1000, 64, 7, 1024, 2), 1024)]
+    for lens, width in cases:
+        q, w, sl, pt = ih.case(pool.shape[0], len(lens), list(lens), width, gen)
+        idx, ref = reference(q, pool, w, sl, pt, width, list(range(len(lens))))
+        for b_like in (1, 8):
+            for name, (kind, kw) in configs_for(b_like, 4096, width).items():
+                buf = torch.full((len(lens), width), float("nan"), device=dev)
+                try:
+                    launcher(kind, kw, pool, width)(q, w, sl, pt, buf)
+                    out.append({"lens": list(lens), "width": width, "config": name, **check_against(buf, idx, ref, sl)})
+                except Exception as exc:
+                    out.append({"lens": list(lens), "width": width, "config": name,
+                                "error": f"{type(exc).__name__}: {str(exc)[-300:]}"})
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tilelang", help="upstream's tilelang_kernel.py from the sglang==0.5.23 wheel")
+    ap.add_argument("--warm", type=int, default=0, help="compile every kernel first in this many processes")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--only-tiny", action="store_true", help="only the six tiny decode pairs")
+    ap.add_argument("--dry-cpu", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
+    args = ap.parse_args()
+    global DECODE_B, DECODE_LIVE, VERIFY, WIDTH, TINY, SPLIT_VARIANTS
+    dev = "cuda"
+    if args.dry_cpu:
+        dev = ih.DEV = "cpu"
+        ih.SIZES.update(ih.DRY_SIZES)
+        g.dry_run_mode()
+        DECODE_B, DECODE_LIVE, VERIFY, WIDTH, TINY = (1, 2), (256,), ((2, 256),), 1024, ((1, 256), (2, 256))
+        SPLIT_VARIANTS = {(1, 256): (2, 4)}
+    elif args.only_tiny:
+        DECODE_B, DECODE_LIVE, VERIFY = (1, 8), (4096, 32768), ()
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(1234)
+    meta = g.run_meta()
+    print(meta, flush=True)
+    result = {**meta, "capture_width": WIDTH, "rounds": args.rounds, "method": (
+        "decode and target-verify as bench/indexer_h200.py: each kernel's launches in one CUDA graph over "
+        "independent page draws (>= 512 MiB of keys a replay), every configuration and upstream's TileLang fp8 "
+        "kernel once per round in turn, the median of the rounds; checks on draw 0 against the float64 reference")}
+    t_start = time.time()
+    if args.warm and not args.dry_cpu:
+        try:
+            result["warm"] = warm(args.warm, args.tilelang)
+        except Exception as exc:  # the run goes on compiling as it goes
+            result["warm"] = {"error": f"{type(exc).__name__}: {str(exc)[-400:]}"}
+            print("warm failed:", result["warm"], flush=True)
+    fn, why_not = ih.load_tilelang(None if args.dry_cpu else args.tilelang)
+    result["tilelang"] = {"loaded": fn is not None, "why_not": why_not, "file": args.tilelang}
+    pool_pages = max(max(DECODE_B) * max(DECODE_LIVE) // PAGE, 8 * math.ceil(WIDTH / PAGE))
+    pool = torch.randn((pool_pages, PAGE, D), generator=gen, device=dev).to(torch.bfloat16)
+    peer = ih.Fp8Peer(fn, ih.fp8_pool(pool)) if fn is not None else None
+    result["ragged"] = ragged_checks(pool, gen, dev, args.dry_cpu)
+    bad = [r for r in result["ragged"] if "error" in r or not _passes(r)]
+    print(f"ragged: {len(result['ragged'])} checks, {len(bad)} failing {bad[:3]}", flush=True)
+    commit = meta["commit"][:7]
+    default = g.REPO / "bench" / "results" / f"indexer_h200_2026-12-01_tiny_{commit}.json"
+    path = Path(os.environ.get("OUT_JSON", "/tmp/decode_latency_dry.json" if args.dry_cpu else default))
+    result["shapes"] = []
+    for tag, b, live, width, rpr in all_shapes():
+        n = 1 if args.dry_cpu else ih.rotation_count(b, live)
+        draws = ih.decode_draws(pool, b, live, gen, n, rows_per_req=rpr)
+        draws = [(q, w, pt[:, : math.ceil(width / PAGE)].contiguous()) for q, w, pt in draws]
+        lens = [live] * b if rpr == 1 else [x for _ in range(b) for x in (live - 1, live)]
+        sl = torch.as_tensor(lens, dtype=torch.int32, device=dev)
+        configs = configs_for(b, live, width, verify=tag != "decode")
+        res = time_shape(peer, pool, draws, sl, width, configs, 1 if args.dry_cpu else args.rounds)
+        res.update(shape=tag, B=b, live=live, width=width, rows=b * rpr)
+        result["shapes"].append(res)
+        line = " ".join(f"{k}={e['ms'] * 1e3:.2f}" + ("" if _passes(e["check"]) else "!BAD")
+                        for k, e in res["configs"].items() if "ms" in e)
+        fp8 = f"{res['fp8_ms'] * 1e3:.2f}" if res.get("fp8_ms") else "-"
+        print(f"{tag} B={b} live={live} width={width} fp8={fp8} us | {line} | best {res['best']}", flush=True)
+        del draws
+        result["seconds"] = time.time() - t_start
+        g.write_json(path, result)  # after every shape: a run stopped at its limit keeps what it measured
+
+
+if __name__ == "__main__":
+    main()
