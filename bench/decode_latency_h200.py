@@ -13,7 +13,10 @@ kernels defined here, which differ from it only in how a short program starts:
   package's pipelined loop. Where the host sees that no row of the width can give a program more than
   HINT_TILES tiles, the loop is not compiled in (less shared memory);
 * ``qin``: the queries are loaded after the length (short programs: after their key loads), not before;
-* ``w8``: 8 warps instead of 4; ``sN``: N programs per row instead of the wave-filling choice.
+* ``tma``: the package's pipelined loop with each 16 KiB key page moved by one Hopper TMA copy (host
+  tensor descriptors), the queries by TMA too (``qld``: plain loads); ``sK``: K pipeline stages;
+* ``w8``: 8 warps instead of 4; ``sN`` (N >= 16): N programs per row instead of the wave-filling choice;
+* ``diag_*``: diagnostics, not candidates (see ``configs_for``).
 
 Timing is bench/indexer_h200.py's: each kernel's launches in one CUDA graph over independent page draws
 (at least 512 MiB of keys per replay), alternating rounds (every kernel once a round), the median. Every
@@ -50,8 +53,8 @@ PAGE, D, H, TOPK = ih.PAGE, ih.D, ih.H, ih.TOPK
 WIDTH = ih.CAPTURE_WIDTH
 TINY = ((1, 4096), (1, 32768), (8, 4096))
 # programs per row tried beside the wave-filling choice (64 / 264 / 33 there): TileLang's split (64 / 256 / 32
-# programs a row: 1 / 2 / 2 tiles each) and one tile a program
-SPLIT_VARIANTS = {(1, 4096): (32,), (1, 32768): (256, 512), (8, 4096): (32, 64)}
+# programs a row: 1 / 2 / 2 tiles each) and half as many programs (fewer copies of the row's queries)
+SPLIT_VARIANTS = {(1, 4096): (32,), (1, 32768): (128, 256), (8, 4096): (16, 32)}
 DECODE_B, DECODE_LIVE, VERIFY = (1, 8, 64, 256), (4096, 32768, 131072), ((8, 32768), (64, 32768))
 
 
@@ -142,6 +145,58 @@ def _candidate_kernel(
                         first_page, H, D, PAGE, Q_IN_BRANCH, FP32_DOT)
 
 
+@triton.jit
+def _tma_kernel(
+    q_ptr, q_desc, w_ptr, k_desc, seq_ptr, pt_ptr, out_ptr,
+    stride_q_row, stride_q_head, stride_w_row, stride_pt_row, stride_out_row, max_seq_len, splits, pt_cols,
+    H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, Q_TMA: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """The strided decode split with each key page moved by one Hopper TMA copy (``k_desc``: the pool as
+    [pages * 64, 128], 64 x 128 boxes) in the pipelined loop; the queries by TMA too with Q_TMA. A page's
+    rows past the length are read (the box is the whole page) but not stored."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    pt_row = pt_ptr + row64 * stride_pt_row
+    out_row = out_ptr + row64 * stride_out_row
+    first_page = tl.load(pt_row + split, mask=split < pt_cols, other=0)
+    seq = tl.minimum(tl.load(seq_ptr + row), max_seq_len)
+    w = tl.load(w_ptr + row64 * stride_w_row + tl.arange(0, H)).to(tl.float32)
+    if Q_TMA:
+        q_t = tl.trans(q_desc.load([row * H, 0]))
+    else:
+        q_t = _load_q_t(q_ptr + row64 * stride_q_row, stride_q_head, H, D)
+    n_tiles = tl.cdiv(seq, PAGE)
+    active = tl.minimum(splits, n_tiles)
+    offs = tl.arange(0, PAGE)
+    if (split < active) & (first_page >= 0):
+        for t in range(split, n_tiles, active):
+            page = tl.load(pt_row + t)
+            k = k_desc.load([page * PAGE, 0])
+            s = tl.sum(ml._tile_scores(k, q_t, w, FP32_DOT), axis=1)
+            n = t * PAGE + offs
+            tl.store(out_row + n, s, mask=n < seq)
+
+
+def tma_logits(q, pages, weights, seq_lens, page_table, max_seq_len, *, out, q_tma=True, splits=None, num_warps=4,
+               num_stages=8):
+    """Launch the TMA candidate (host tensor descriptors: the CUDA graph keeps them as kernel parameters)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    q, weights, seq_lens, page_table = ml._normalize(q, weights, seq_lens, page_table)
+    rows, heads = q.shape[0], q.shape[1]
+    if splits is None:
+        splits = ml.decode_splits(rows, max_seq_len, device=q.device, num_stages=num_stages)
+    k_desc = TensorDescriptor.from_tensor(pages.view(-1, D), [PAGE, D])
+    q_desc = TensorDescriptor.from_tensor(q.reshape(rows * heads, D), [heads, D])
+    _tma_kernel[(rows, int(splits))](
+        q, q_desc, weights, k_desc, seq_lens, page_table, out,
+        q.stride(0), q.stride(1), weights.stride(0), page_table.stride(0), out.stride(0), max_seq_len, int(splits),
+        page_table.shape[1], H=heads, D=D, PAGE=PAGE, Q_TMA=bool(q_tma), FP32_DOT=interpreting(),
+        num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
 def candidate_logits(q, pages, weights, seq_lens, page_table, max_seq_len, *, out, hint_tiles=2, short=True,
                      q_in_branch=False, splits=None, num_warps=4, num_stages=8):
     """Launch a candidate on the package's inputs (decode: one row per program). Returns out."""
@@ -163,22 +218,26 @@ def candidate_logits(q, pages, weights, seq_lens, page_table, max_seq_len, *, ou
 
 # ----------------------------------------------------------------------------- configurations per shape
 def configs_for(b, live, width, verify=False):
-    """name -> (kind, kwargs): ``base`` is the package's default launch; the rest are candidates."""
+    """name -> (kind, kwargs): ``base`` is the package's default launch; ``diag_*`` are diagnostics, not
+    candidates (``diag_h32``: half the heads, so half the query bytes; ``diag_l2``: every row reads page 0,
+    so the keys come from L2: the latency floor without the HBM transfer)."""
     cfg = {"base": ("package", {}),
-           "hint2": ("candidate", dict(hint_tiles=2, short=False)),
            "short": ("candidate", dict(hint_tiles=2, short=True)),
-           "short_w8": ("candidate", dict(hint_tiles=2, short=True, num_warps=8)),
-           "short_qin": ("candidate", dict(hint_tiles=2, short=True, q_in_branch=True)),
-           "short_qin_w8": ("candidate", dict(hint_tiles=2, short=True, q_in_branch=True, num_warps=8))}
+           "tma": ("tma", {}),
+           "tma_w8": ("tma", dict(num_warps=8)),
+           "tma_qld": ("tma", dict(q_tma=False)),
+           "tma_s4": ("tma", dict(num_stages=4))}
     if verify or (b, live) not in TINY:
-        cfg["hint4"] = ("candidate", dict(hint_tiles=4, short=False))
-        cfg["base_w8"] = ("package", dict(num_warps=8))
         return cfg
-    cfg["base_w8"] = ("package", dict(num_warps=8))
-    cfg["hint2_qin"] = ("candidate", dict(hint_tiles=2, short=False, q_in_branch=True))
+    cfg.update({"short_w8": ("candidate", dict(hint_tiles=2, short=True, num_warps=8)),
+                "hint2": ("candidate", dict(hint_tiles=2, short=False)),
+                "tma_w8_qld": ("tma", dict(num_warps=8, q_tma=False)),
+                "tma_s6": ("tma", dict(num_stages=6)),
+                "diag_h32": ("diag_h32", {}), "diag_l2": ("diag_l2", {})})
     if width == live:  # the grid may change with the width (never with the live length)
         for sp in SPLIT_VARIANTS.get((b, live), ()):
-            cfg[f"short_s{sp}"] = ("candidate", dict(hint_tiles=2, short=True, splits=sp))
+            cfg[f"base_s{sp}"] = ("package", dict(splits=sp))
+            cfg[f"tma_s{sp}"] = ("tma", dict(splits=sp))
             cfg[f"short_w8_s{sp}"] = ("candidate", dict(hint_tiles=2, short=True, splits=sp, num_warps=8))
     return cfg
 
@@ -200,6 +259,18 @@ class TileLangPeer:
 def launcher(kind, kw, pool, width):
     if kind == "package":
         return lambda q, w, sl, pt, out: ml.bf16_paged_mqa_logits(q, pool, w, sl, pt, width, out=out, **kw)
+    if kind == "tma":
+        return lambda q, w, sl, pt, out: tma_logits(q, pool, w, sl, pt, width, out=out, **kw)
+    if kind == "diag_h32":
+        return lambda q, w, sl, pt, out: ml.bf16_paged_mqa_logits(q[:, :32], pool, w[:, :32], sl, pt, width, out=out)
+    if kind == "diag_l2":
+        zeros = {}  # one all-page-0 table per shape, made on the eager check call (never inside a graph capture)
+
+        def run_l2(q, w, sl, pt, out):
+            if pt.shape not in zeros:
+                zeros[pt.shape] = torch.zeros_like(pt)
+            return ml.bf16_paged_mqa_logits(q, pool, w, sl, zeros[pt.shape], width, out=out)
+        return run_l2
     return lambda q, w, sl, pt, out: candidate_logits(q, pool, w, sl, pt, width, out=out, **kw)
 
 
@@ -308,7 +379,7 @@ def time_shape(peer, pool, draws, sl, width, configs, rounds):
         entry = {"kind": kind, **kw}
         try:
             run(q0, w0, sl, pt0, out)
-            entry["check"] = check_against(out, idx, ref, sl)
+            entry["check"] = None if kind.startswith("diag") else check_against(out, idx, ref, sl)
             if g._DRY["on"]:
                 timers[name] = lambda run=run: _wall_ms(lambda: run(q0, w0, sl, pt0, scratch))
             else:
@@ -337,7 +408,7 @@ def time_shape(peer, pool, draws, sl, width, configs, rounds):
         if f"{name}_ms" in times:
             entry["ms"], entry["ms_rounds"] = times[f"{name}_ms"], times[f"{name}_ms_rounds"]
             entry["ratio"] = entry["ms"] / res["fp8_ms"] if res["fp8_ms"] else None
-    ok = {n: e for n, e in res["configs"].items() if "ms" in e and _passes(e["check"])}
+    ok = {n: e for n, e in res["configs"].items() if "ms" in e and e["check"] and _passes(e["check"])}
     res["best"] = min(ok, key=lambda n: ok[n]["ms"]) if ok else None
     del timers, scratch
     if not g._DRY["on"]:
@@ -368,6 +439,8 @@ def ragged_checks(pool, gen, dev, dry):
         idx, ref = reference(q, pool, w, sl, pt, width, list(range(len(lens))))
         for b_like in (1, 8):
             for name, (kind, kw) in configs_for(b_like, 4096, width).items():
+                if kind.startswith("diag"):
+                    continue
                 buf = torch.full((len(lens), width), float("nan"), device=dev)
                 try:
                     launcher(kind, kw, pool, width)(q, w, sl, pt, buf)
@@ -393,7 +466,7 @@ def main():
         ih.SIZES.update(ih.DRY_SIZES)
         g.dry_run_mode()
         DECODE_B, DECODE_LIVE, VERIFY, WIDTH, TINY = (1, 2), (256,), ((2, 256),), 1024, ((1, 256), (2, 256))
-        SPLIT_VARIANTS = {(1, 256): (2, 4)}
+        SPLIT_VARIANTS = {(1, 256): (2,)}
     elif args.only_tiny:
         DECODE_B, DECODE_LIVE, VERIFY = (1, 8), (4096, 32768), ()
     gen = torch.Generator(device=dev)
@@ -433,7 +506,7 @@ def main():
         res = time_shape(peer, pool, draws, sl, width, configs, 1 if args.dry_cpu else args.rounds)
         res.update(shape=tag, B=b, live=live, width=width, rows=b * rpr)
         result["shapes"].append(res)
-        line = " ".join(f"{k}={e['ms'] * 1e3:.2f}" + ("" if _passes(e["check"]) else "!BAD")
+        line = " ".join(f"{k}={e['ms'] * 1e3:.2f}" + ("" if not e["check"] or _passes(e["check"]) else "!BAD")
                         for k, e in res["configs"].items() if "ms" in e)
         fp8 = f"{res['fp8_ms'] * 1e3:.2f}" if res.get("fp8_ms") else "-"
         print(f"{tag} B={b} live={live} width={width} fp8={fp8} us | {line} | best {res['best']}", flush=True)
