@@ -26,8 +26,10 @@ upstream's version issues, so a rank that runs it and a rank that does not desyn
 in production):
 - batch building (``get_new_batch_prefill``; decode ``get_next_disagg_decode_batch_to_run``): needs
   KV pools and a memory planner that need a model. The replacement batches every admitted request.
-- ``run_batch``: a model forward. The replacement issues two all-reduces shaped
-  ``[batch size, hidden]``, like a TP forward's per-layer all-reduces.
+- ``run_batch``: a model forward. The replacement issues a TP forward's collectives, sized by the
+  batch's token count, on a "forward" group of its own (``ForwardSpec``): gloo (the default, CPU)
+  or NCCL (one GPU per rank), as production runs the forward on NCCL beside the scheduler's gloo
+  CPU group. Its result processing waits for them where upstream's does (``copy_done``).
 - result processing (``process_batch_result``): needs logits. Prefill: requests move to the
   in-flight (KV transfer) queue as upstream's disagg prefill result processing does; decode: each
   request decodes its tokens and finishes.
@@ -51,10 +53,18 @@ batch-result processing; before the in-flight poll; decode: before the prealloca
 polls, in batch formation and result processing. What is injected: a request aborted on that rank
 only; a bootstrap or transfer completing on that rank only; a request left out of that rank's batch;
 one rank's queue emptied while another's is not.
+
+Bounded waits and where a hang sits (``Watch``): every collective of a group times out (gloo, and
+NCCL through ``new_group(timeout=...)`` with ``TORCH_NCCL_ASYNC_ERROR_HANDLING``); with a ``Watch``
+each rank also records which collective it is in, by group (``CollectiveTrace``), and runs a
+watchdog that, when the loop stops iterating, writes every thread's Python stack (faulthandler),
+the collectives in flight and, on NCCL, torch's flight recorder; later it ends the rank. NVLink
+multicast is off in every rank (``rank_env``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import socket
@@ -146,6 +156,14 @@ def steady(loop: str, world: int, iters: int, queued: int) -> Scenario:
     iterations (every iteration polls them), then the scenario ends at ``iters``."""
     reqs = [ReqPlan(rid=f"st-r{i}", arrive=0, ready=[iters + 10] * world, transfer=[1] * world) for i in range(queued)]
     return Scenario(-3, loop, world, reqs, [], max_iters=iters, ends_at_max=True)
+
+
+def steady_decode(world: int, iters: int, batch: int) -> Scenario:
+    """For the bench: ``batch`` requests reach the running batch within a few iterations and decode
+    until the scenario ends at ``iters``: a forward every iteration, beside the guard's agreements."""
+    reqs = [ReqPlan(rid=f"sd-r{i}", arrive=0, ready=[0] * world, transfer=[1] * world, tokens=iters + 10)
+            for i in range(batch)]
+    return Scenario(-5, "decode", world, reqs, [], max_iters=iters, ends_at_max=True)
 
 
 def batch_desync(loop: str, world: int) -> Scenario:
@@ -287,6 +305,253 @@ class Null:
         return lambda *a, **k: None
 
 
+# ----------------------------------------------------------------------------------------------
+# The forward stand-in's collectives, and how a stalled rank is found and ended.
+@dataclass(frozen=True)
+class ForwardShape:
+    """What one forward step issues on the forward group, for ``tokens`` tokens and ``rows`` sampled rows.
+
+    Assumed for a DeepSeek-V4-Flash forward with plain tensor parallelism (attention TP = MoE TP =
+    the TP size, no expert parallelism, no DP attention), from the pin's model: per layer one
+    all-reduce of ``[tokens, hidden]`` after attention's output projection (``wo_b``, row-parallel)
+    and one after the MoE; with a vocabulary (``vocab`` > 0), one all-reduce of ``[tokens, hidden]``
+    after the vocab-parallel embedding and one all-gather of the sampled rows' logits shards
+    ``[rows, vocab / world]`` (the parallel LM head). The pin fuses some of these with the mHC mixing,
+    which changes when they run, not what is reduced. The default is the harness's small stand-in.
+    """
+
+    layers: int = 1
+    hidden: int = HIDDEN
+    vocab: int = 0
+    dtype: str = "float32"
+
+    def collectives(self) -> int:
+        return 2 * self.layers + (2 if self.vocab else 0)
+
+
+def dsv4_flash_shape(layers: int | None = None) -> ForwardShape:
+    """The pin's ``DeepSeekV4Config`` defaults (hidden 4096, 43 layers, vocabulary 129280), in bf16."""
+    import dataclasses
+
+    from sglang.srt.configs.deepseek_v4 import DeepSeekV4Config
+
+    pin = {f.name: f.default for f in dataclasses.fields(DeepSeekV4Config)}
+    return ForwardShape(layers=pin["num_hidden_layers"] if layers is None else layers, hidden=pin["hidden_size"],
+                        vocab=pin["vocab_size"], dtype="bfloat16")
+
+
+@dataclass(frozen=True)
+class ForwardSpec:
+    """The forward group: its backend ("gloo": CPU; "nccl": one GPU per rank, GPU index = TP rank),
+    what a step issues on it, and its collectives' timeout (None: the scheduler group's)."""
+
+    backend: str = "gloo"
+    shape: ForwardShape = ForwardShape()
+    timeout_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Watch:
+    """The per-rank watchdog: after ``stall_s`` without a new loop iteration it writes where the rank
+    is into ``dump_dir``; after ``kill_s`` it ends the rank with ``WATCHDOG_EXIT``."""
+
+    dump_dir: str
+    stall_s: float = 3.0
+    kill_s: float = 20.0
+
+
+WATCHDOG_EXIT = 86
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def rank_env(forward: ForwardSpec, dump_dir: str | None = None) -> dict:
+    """Every rank's environment: NVLink multicast off (it can take a shared host's GPUs out of
+    service), and for NCCL the timeout handling and flight recorder, read when the group is made."""
+    env = dict(MULTICAST_OFF)
+    if forward.backend == "nccl":
+        env.update(TORCH_NCCL_ASYNC_ERROR_HANDLING="1",  # a timed-out collective takes the rank down
+                   TORCH_NCCL_TRACE_BUFFER_SIZE="2000",  # the flight recorder: the group's last collectives
+                   TORCH_NCCL_DUMP_ON_TIMEOUT="1", TORCH_NCCL_DESYNC_DEBUG="1", NCCL_DEBUG="WARN")
+        if dump_dir:
+            env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = env["TORCH_FR_DUMP_TEMP_FILE"] = f"{dump_dir}/nccl_fr_rank"
+    return env
+
+
+def _short(path: str) -> str:
+    for marker in ("site-packages/", "/src/", "/tests/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    return os.path.basename(path)
+
+
+class CollectiveTrace:
+    """Which collective this rank is in, by group, and what its forward stand-in issued.
+
+    ``install`` wraps ``torch.distributed``'s collectives in this rank process (upstream and the
+    guard call them through the module), so a stall can be pinned to one call on one group; the
+    forward stand-in records its asynchronous collectives with their work handles, so an NCCL
+    collective that was issued but never completed is named too.
+    """
+
+    # collective -> position of its ``group`` argument
+    WRAPPED = {"all_reduce": 2, "broadcast": 2, "all_gather": 2, "all_gather_into_tensor": 2, "gather": 3,
+               "reduce_scatter_tensor": 3, "barrier": 0, "all_gather_object": 2, "broadcast_object_list": 2}
+
+    def __init__(self, labels: dict):
+        from collections import deque
+
+        self.labels = labels  # group -> its name in the records
+        self.inflight: dict[int, dict] = {}  # thread -> the blocking collective it is in
+        self.forward = deque(maxlen=512)  # (record, work) of the forward stand-in's collectives
+
+    def label(self, group) -> str:
+        import torch.distributed as dist
+
+        return self.labels.get(dist.group.WORLD if group is None else group, "another group")
+
+    def install(self) -> None:
+        import threading
+
+        import torch.distributed as dist
+
+        for name, pos in self.WRAPPED.items():
+            inner = getattr(dist, name)
+
+            def traced(*args, _inner=inner, _name=name, _pos=pos, **kwargs):
+                group = kwargs.get("group", args[_pos] if len(args) > _pos else None)
+                me = threading.get_ident()
+                outer = self.inflight.get(me)
+                self.inflight[me] = self._record(_name, group, args[0] if args else None)
+                try:
+                    return _inner(*args, **kwargs)
+                finally:
+                    if outer is None:
+                        self.inflight.pop(me, None)
+                    else:
+                        self.inflight[me] = outer
+
+            setattr(dist, name, traced)
+
+    def _record(self, op: str, group, tensor) -> dict:
+        shape = list(tensor.shape) if hasattr(tensor, "shape") else None
+        return {"group": self.label(group), "op": op, "shape": shape,
+                "dtype": str(getattr(tensor, "dtype", "")).replace("torch.", ""), "since": time.monotonic()}
+
+    def issued(self, op: str, group, tensor, work, step: str) -> None:
+        self.forward.append((self._record(op, group, tensor) | {"step": step}, work))
+
+    def pending_forward(self) -> list[dict]:
+        out = []
+        for record, work in list(self.forward):
+            try:
+                done = work.is_completed()
+            except Exception:  # noqa: BLE001 - an aborted communicator: not completed either
+                done = False
+            if not done:
+                out.append(record)
+        return out
+
+
+def _nccl_flight_recorder(raw: bytes | None = None) -> list[dict] | str:
+    """torch's NCCL flight recorder (this rank's, or a dump file's bytes), reduced to what locates a hang."""
+    import pickle
+
+    try:
+        if raw is None:
+            from torch._C._distributed_c10d import _dump_nccl_trace
+
+            try:
+                raw = _dump_nccl_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False)
+            except TypeError:
+                raw = _dump_nccl_trace()
+        entries = pickle.loads(raw).get("entries", [])
+    except Exception as exc:  # noqa: BLE001 - the record says why there is no recorder
+        return f"flight recorder unavailable: {type(exc).__name__}: {exc}"
+    keep = ("record_id", "pg_id", "process_group", "collective_seq_id", "profiling_name", "input_sizes",
+            "input_dtypes", "output_sizes", "state", "timeout_ms")
+    rows = [{k: e.get(k) for k in keep if k in e} for e in entries]
+    return [r for r in rows if r.get("state") != "completed"] + [r for r in rows if r.get("state") == "completed"][-4:]
+
+
+class StallWatchdog:
+    """A daemon thread per rank: notices a loop that stopped iterating, records where, then ends the rank.
+
+    The loop beats once per iteration (the request broadcast). A rank that has not beaten for
+    ``stall_s`` gets one record per stall (``rank<R>_stall<N>.json``: the collective it is in, by
+    group, the forward collectives it issued and that never completed, its main thread's stack,
+    NCCL's flight recorder) and every thread's stack from faulthandler (``rank<R>_stacks.txt``).
+    Past ``kill_s`` it records again and exits with ``WATCHDOG_EXIT``: a hang ends here, detected.
+    """
+
+    POLL_S = 0.2
+
+    def __init__(self, rank: int, watch: Watch, dump_dir: str, trace: CollectiveTrace, nccl: bool):
+        import threading
+
+        self.rank, self.watch, self.dump_dir, self.trace, self.nccl = rank, watch, dump_dir, trace, nccl
+        self.armed, self.label, self.iteration, self.last, self.dumped, self.count = False, "", -1, 0.0, False, 0
+        threading.Thread(target=self._run, name="stall-watchdog", daemon=True).start()
+
+    def arm(self, label: str) -> None:
+        self.label, self.iteration, self.last, self.dumped, self.armed = label, -1, time.monotonic(), False, True
+
+    def beat(self, iteration: int) -> None:
+        self.iteration, self.last, self.dumped = iteration, time.monotonic(), False
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.POLL_S)
+            if not self.armed:
+                continue
+            idle = time.monotonic() - self.last
+            if idle > self.watch.kill_s:
+                self.dump(idle, killed=True)
+                os._exit(WATCHDOG_EXIT)
+            if idle > self.watch.stall_s and not self.dumped:
+                self.dumped = True
+                self.dump(idle, killed=False)
+
+    def dump(self, idle: float, killed: bool) -> None:
+        import faulthandler
+        import json
+        import sys
+        import threading
+
+        main = threading.main_thread().ident
+        frame = sys._current_frames().get(main)
+        # the caller's frames: torch's and the trace's own wrappers are in the faulthandler dump
+        frames = [f for f in traceback.extract_stack(frame) if "/torch/" not in f.filename and f.name != "traced"] \
+            if frame else []
+        stack = [f"{_short(f.filename)}:{f.lineno} {f.name}" for f in frames]
+        blocking = self.trace.inflight.get(main)
+        pending = self.trace.pending_forward()
+        if blocking:
+            where = f"{blocking['group']}: {blocking['op']} {blocking['shape']} {blocking['dtype']}"
+        elif pending:
+            first = pending[0]
+            where = (f"{first['group']}: {len(pending)} collective(s) issued and not completed, the first "
+                     f"{first['op']} {first['shape']} {first['dtype']} ({first['step']}); the loop waits in "
+                     f"{stack[-1] if stack else '?'}")
+        else:
+            where = f"no collective: {stack[-1] if stack else '?'}"
+        now = time.monotonic()
+        record = {"rank": self.rank, "scenario": self.label, "iteration": self.iteration, "idle_s": round(idle, 2),
+                  "killed": killed, "where": where, "main_stack": stack[-14:],
+                  "inflight": [r | {"for_s": round(now - r["since"], 2)} for r in self.trace.inflight.values()],
+                  "forward_pending": [r | {"for_s": round(now - r["since"], 2)} for r in pending[:8]],
+                  "nccl_flight_recorder": _nccl_flight_recorder() if self.nccl else None}
+        self.count += 1
+        with open(f"{self.dump_dir}/rank{self.rank}_stall{self.count}.json", "w") as f:
+            json.dump(record, f, indent=1, default=str)
+        with open(f"{self.dump_dir}/rank{self.rank}_stacks.txt", "a") as f:
+            f.write(f"--- rank {self.rank}, {self.label}, idle {idle:.1f} s{' (ending the rank)' if killed else ''}\n")
+            f.flush()
+            faulthandler.dump_traceback(f, all_threads=True)
+
+
 @dataclass
 class RankResult:
     rank: int
@@ -300,13 +565,17 @@ class RankResult:
     guard_seconds: float = 0.0  # bench only: time spent inside the guard's calls (all its agreements)
     batch_check_seconds: float = 0.0  # bench only: ... of which inside the second agreement (batch check)
     injected: int = 0  # how many of the scenario's injections fired on this rank
+    forward_seconds: float = 0.0  # the forward stand-in's collectives (NCCL: their GPU time, CUDA events)
+    forward_ops: int = 0  # collectives the forward stand-in issued
 
 
 # ----------------------------------------------------------------------------------------------
 class Harness:
-    """One TP rank: owns the gloo group, builds a fresh model-less Scheduler per scenario."""
+    """One TP rank: owns the gloo group and the forward group, builds a fresh model-less Scheduler per scenario."""
 
-    def __init__(self, rank: int, world: int, port: int, timeout_s: float, ipc_dir: str):
+    def __init__(self, rank: int, world: int, port: int, timeout_s: float, ipc_dir: str,
+                 forward: ForwardSpec = ForwardSpec(), watch: Watch | None = None, dump_dir: str | None = None):
+        import torch
         import torch.distributed as dist
         from sglang.srt.runtime_context import get_parallel
 
@@ -316,6 +585,22 @@ class Harness:
         self.tp = dist.group.WORLD
         singles = [dist.new_group([r]) for r in range(world)]
         self.cp = singles[rank]  # attention CP = 1: a one-rank group, as upstream builds it
+        self.forward = forward
+        self.device = torch.device("cpu")
+        if forward.backend == "nccl":
+            torch.cuda.set_device(rank)
+            self.device = torch.device("cuda", rank)
+        self.fwd = dist.new_group(list(range(world)), backend=forward.backend,
+                                  timeout=timedelta(seconds=forward.timeout_s or timeout_s))
+        self.trace = CollectiveTrace({self.tp: "scheduler gloo (TP CPU group)", self.fwd: f"forward {forward.backend}"})
+        self.watchdog = None
+        if watch is not None:
+            self.trace.install()
+            self.watchdog = StallWatchdog(rank, watch, dump_dir, self.trace, forward.backend == "nccl")
+        warm = torch.zeros(1, device=self.device)  # the communicator is made here, not in the first forward
+        dist.all_reduce(warm, group=self.fwd)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
         get_parallel().override_permanently(
             pp_rank=0, pp_size=1, tp_rank=rank, tp_size=world, attn_tp_rank=rank, attn_tp_size=world,
             attn_cp_rank=0, attn_cp_size=1, attn_dp_rank=0, attn_dp_size=1, moe_tp_size=world, moe_ep_size=1, moe_dp_size=1,
@@ -346,6 +631,7 @@ class Harness:
         self.outcomes: dict[str, tuple[str, str]] = {}
         self.busy: dict = {}
         self.fired: set[int] = set()  # indices of this scenario's injections that fired on this rank
+        self.forward_seconds, self.forward_ops, self.forward_digest, self.forward_events = 0.0, 0, 0, []
         self.plans = {p.rid: p for p in sc.reqs}
         s.tp_rank, s.tp_size, s.pp_size = self.rank, self.world, 1
         s.tp_cpu_group = s.attn_tp_cpu_group = self.tp
@@ -434,6 +720,8 @@ class Harness:
         from sglang.srt.utils import broadcast_pyobj
 
         self.iteration += 1
+        if self.watchdog is not None:
+            self.watchdog.beat(self.iteration)
         payload = None
         if self.rank == 0:
             payload = [("req", p.rid) for p in self.sc.reqs if p.arrive == self.iteration]
@@ -603,17 +891,60 @@ class Harness:
         return running_batch
 
     def _run_batch(self, batch):
-        """A TP forward's collective pattern: all-reduces sized by the batch, on the TP group."""
+        """A TP forward's collectives (``ForwardShape``) for this batch's tokens, on the forward group.
+
+        gloo runs each on the CPU, so the rank waits in it; NCCL only enqueues them on the GPU (the
+        forward's stream waits for each), and the rank waits where upstream's result processing does,
+        on the result's ``copy_done`` event.
+        """
         import torch
         import torch.distributed as dist
 
-        x = torch.ones(len(batch.reqs), HIDDEN)
-        for _ in range(2):
-            dist.all_reduce(x, group=self.tp)
-        return SimpleNamespace(delay_sample_func=None, copy_done=None)
+        shape, group, dev = self.forward.shape, self.fwd, self.device
+        tokens = batch.extend_num_tokens if batch.mode == "extend" else len(batch.reqs)
+        rows = len(batch.reqs)
+        dtype = getattr(torch, shape.dtype)
+        steps = [f"layer{i}.{part}" for i in range(shape.layers) for part in ("attn", "moe")]
+        if shape.vocab:
+            steps = ["embed", *steps]
+        gpu = dev.type == "cuda"
+        # which batch this forward is: equal-size collectives of different batches must not pair unseen
+        self._fold_forward(int.from_bytes(hashlib.blake2b("\0".join(r.rid for r in batch.reqs).encode(),
+                                                          digest_size=7).digest(), "little"))
+        started = time.perf_counter()
+        if gpu:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+        hidden = torch.zeros(tokens, shape.hidden, dtype=dtype, device=dev)
+        for step in steps:
+            self._forward_collective(dist.all_reduce, "all_reduce", hidden, step, hidden, group=group, async_op=True)
+        if shape.vocab:
+            shard = torch.zeros(rows, shape.vocab // self.world, dtype=dtype, device=dev)
+            logits = torch.empty(rows * self.world, shard.shape[1], dtype=dtype, device=dev)
+            self._forward_collective(dist.all_gather_into_tensor, "all_gather_into_tensor", shard, "logits",
+                                     logits, shard, group=group, async_op=True)
+        if not gpu:
+            self.forward_seconds += time.perf_counter() - started
+            return SimpleNamespace(delay_sample_func=None, copy_done=None)
+        end.record()
+        self.forward_events.append((begin, end))
+        return SimpleNamespace(delay_sample_func=None, copy_done=end)
+
+    def _forward_collective(self, fn, op: str, tensor, step: str, *args, **kwargs) -> None:
+        work = fn(*args, **kwargs)
+        self.trace.issued(op, self.fwd, tensor, work, step)
+        self.forward_ops += 1
+        self._fold_forward(tensor.numel() * 4 + len(op))
+        work.wait()  # gloo: the CPU waits (within the group's timeout); NCCL: the stream waits, as a forward's
+
+    def _fold_forward(self, value: int) -> None:
+        """The order-sensitive digest of this rank's forward collectives and the batches they belong to."""
+        self.forward_digest = (self.forward_digest * 1_000_003 + value) % (1 << 61)
 
     def _process_batch_result(self, batch, result):
         s = self.s
+        if result.copy_done is not None:
+            result.copy_done.synchronize()  # as upstream's disagg result processing waits for the forward
         self._inject("batch_result", batch.reqs)
         if self.sc.loop == "prefill":
             for req in batch.reqs:
@@ -682,39 +1013,64 @@ class Harness:
 
     # ---- run ---------------------------------------------------------------------------------
     def run(self, sc: Scenario, loops: str) -> RankResult:
-        import torch.distributed as dist
-
-        from dsv4_sm120.guard import loop_guard
-
         use_loops(loops)
         s = self.build(sc)
         loop = getattr(s, f"event_loop_{sc.kind}_disagg_{sc.loop}")
         self.guard_seconds = self.batch_check_seconds = 0.0
         if sc.ends_at_max:  # the bench: also time the guard's calls themselves
             self._time_guard_calls()
+        if self.watchdog is not None:
+            self.watchdog.arm(f"seed {sc.seed} {sc.loop} {sc.kind} loops={loops}")
+        try:
+            return self._run_loop(loop)
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.disarm()
+
+    def _run_loop(self, loop) -> RankResult:
+        import torch.distributed as dist
+
+        from dsv4_sm120.guard import loop_guard
+
         started = time.perf_counter()
         try:
             loop()
         except loop_guard.CollectiveGuardFailFast as exc:
-            return RankResult(self.rank, "failfast", str(exc), iters=self.iteration)
+            return RankResult(self.rank, "failfast", str(exc), iters=self.iteration, forward_ops=self.forward_ops)
         except RuntimeError as exc:
             text = str(exc)
             status = "hang" if "imed out" in text or "timeout" in text.lower() else "error"
-            return RankResult(self.rank, status, f"{type(exc).__name__}: {text[:300]}", iters=self.iteration)
+            return RankResult(self.rank, status, f"{type(exc).__name__}: {text[:300]}", iters=self.iteration,
+                              forward_ops=self.forward_ops)
         except Exception:  # noqa: BLE001
-            return RankResult(self.rank, "error", traceback.format_exc()[-1500:], iters=self.iteration)
+            return RankResult(self.rank, "error", traceback.format_exc()[-1500:], iters=self.iteration,
+                              forward_ops=self.forward_ops)
+        seconds = time.perf_counter() - started
         self._drain()
         leftovers = {name: [getattr(x, "req", x).rid for x in q] for name, q in self._queues() if q}
-        dist.barrier(group=self.tp)
+        if self.forward_events:  # NCCL: every forward must have completed, within the group's timeout
+            import torch
+
+            torch.cuda.synchronize()
+            self.forward_seconds += sum(b.elapsed_time(e) for b, e in self.forward_events) / 1e3
+        # The ranks' forward collectives must have paired one to one: NCCL pairs equal-size unlike
+        # collectives without a word, so a run can end "ok" with its forwards shifted against each other.
+        streams = [None] * self.world
+        dist.all_gather_object(streams, (self.forward_ops, self.forward_digest), group=self.tp)
         c = loop_guard.counters
         status = "ok" if self.iteration < self.sc.max_iters or self.sc.ends_at_max else "stuck"
-        return RankResult(self.rank, status, "" if status == "ok" else f"still busy at max_iters: {self.busy}",
+        detail = "" if status == "ok" else f"still busy at max_iters: {self.busy}"
+        if len(set(streams)) > 1:
+            status = "desync"
+            detail = f"forward collectives per rank differ (count, digest): {streams}"
+        return RankResult(self.rank, status, detail,
                           leftovers=leftovers, outcomes=dict(self.outcomes), iters=self.iteration,
                           counters={"seen": c.divergences_seen, "reconciled": c.divergences_reconciled,
                                     "aborted": c.requests_aborted, "fail_fasts": c.fail_fasts},
-                          seconds=time.perf_counter() - started, guard_seconds=self.guard_seconds,
+                          seconds=seconds, guard_seconds=self.guard_seconds,
                           batch_check_seconds=self.batch_check_seconds,
-                          injected=len(self.fired))
+                          injected=len(self.fired), forward_seconds=self.forward_seconds,
+                          forward_ops=self.forward_ops)
 
 
 # ---- decode queues: upstream's classes, without the KV pools -----------------------------------
@@ -809,6 +1165,7 @@ def _decode_queue_classes():
 # ----------------------------------------------------------------------------------------------
 # Loop selection: upstream's unpatched methods, or the same methods from the patched copy.
 _LOOPS: dict[str, dict] = {}
+_TREES: dict[str, str] = {}  # "dir": where setup_parent wrote the pristine and patched copies
 
 
 def prepare_loops(tmp: str) -> None:
@@ -820,6 +1177,17 @@ def prepare_loops(tmp: str) -> None:
     is executed under its real module name (without replacing the installed modules in
     ``sys.modules``); its loop methods are kept for ``use_loops``.
     """
+    from pathlib import Path
+
+    import pristine
+
+    pristine.pristine_tree(Path(tmp) / "pristine")
+    pristine.patched_tree(Path(tmp) / "patched")
+    load_loops(tmp)
+
+
+def load_loops(tmp: str) -> None:
+    """Load the loop methods from the copies ``prepare_loops`` wrote under ``tmp``."""
     import importlib.util
     from pathlib import Path
 
@@ -829,8 +1197,7 @@ def prepare_loops(tmp: str) -> None:
 
     import pristine
 
-    trees = {"upstream": pristine.pristine_tree(Path(tmp) / "pristine"),
-             "patched": pristine.patched_tree(Path(tmp) / "patched")}
+    trees = {"upstream": Path(tmp) / "pristine", "patched": Path(tmp) / "patched"}
     for which, root in trees.items():
         loaded = {}
         for mod in (pre, dec):
@@ -859,14 +1226,29 @@ def use_loops(which: str) -> None:
 
 
 def setup_parent(tmp: str) -> None:
-    """Once per test process, before forking ranks: import sglang, publish a CPU ServerArgs, load the loops."""
+    """Once per test process, before starting ranks: import sglang, publish a CPU ServerArgs, load the loops."""
+    _publish_server_args()
+    prepare_loops(tmp)
+    _TREES["dir"] = tmp
+    _apply_guard_hooks()
+
+
+def _setup_spawned_rank(tmp: str) -> None:
+    """What a spawned rank (a fresh interpreter) would have inherited from ``setup_parent`` by forking."""
+    import torch
+
+    torch.set_num_threads(1)
+    _publish_server_args()
+    load_loops(tmp)
+    _apply_guard_hooks()
+
+
+def _publish_server_args() -> None:
     from sglang.srt import runtime_context
     from sglang.srt.server_args import ServerArgs
 
     runtime_context.publish(ServerArgs(model_path="dummy", device="cpu", disaggregation_mode="prefill"),
                             role="scheduler")
-    prepare_loops(tmp)
-    _apply_guard_hooks()
 
 
 def _apply_guard_hooks() -> None:
@@ -891,10 +1273,33 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank, world, port, timeout_s, ipc_dir, jobs, conn, env):
+_RANK_FILES: list = []  # this rank's open stack file, kept alive for faulthandler's signal handler
+
+
+def _record_rank_output(rank: int, dump_dir: str) -> None:
+    """With a watchdog: this rank's stderr (NCCL's and torch's watchdog messages) into ``rank<R>.log``,
+    and SIGUSR1 dumping every thread's stack into ``rank<R>_stacks.txt`` (the parent's last look at
+    a rank it is about to kill; faulthandler writes without needing the interpreter lock)."""
+    import faulthandler
+    import signal
+
+    fd = os.open(f"{dump_dir}/rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+    stacks = open(f"{dump_dir}/rank{rank}_stacks.txt", "a")  # noqa: SIM115 - lives as long as the rank
+    _RANK_FILES.append(stacks)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+
+
+def _worker(rank, world, port, timeout_s, ipc_dir, jobs, conn, env, forward=ForwardSpec(), watch=None,
+            dump_dir=None, trees=None):
     os.environ.update(env)
     try:
-        h = Harness(rank, world, port, timeout_s, ipc_dir)
+        if dump_dir:
+            _record_rank_output(rank, dump_dir)
+        if not _LOOPS:  # a spawned rank: nothing was inherited
+            _setup_spawned_rank(trees)
+        h = Harness(rank, world, port, timeout_s, ipc_dir, forward, watch, dump_dir)
         for sc_args, loops, *job_env in jobs:
             os.environ.update(*job_env)  # optional per-job environment (the bench flips the guard switch)
             sc = sc_args if isinstance(sc_args, Scenario) else make_scenario(*sc_args)
@@ -912,16 +1317,19 @@ def _worker(rank, world, port, timeout_s, ipc_dir, jobs, conn, env):
         os._exit(0)
 
 
-def run_group(world: int, jobs: list, timeout_s: float = 20.0, env: dict | None = None, wall_s: float = 600.0):
-    """Fork ``world`` ranks (from this process, which has already imported sglang) and run ``jobs``.
+def run_group(world: int, jobs: list, timeout_s: float = 20.0, env: dict | None = None, wall_s: float = 600.0,
+              forward: ForwardSpec = ForwardSpec(), watch: Watch | None = None, start: str = "fork"):
+    """Start ``world`` ranks and run ``jobs``: forked from this process, which has already imported
+    sglang (``start="fork"``), or spawned as fresh interpreters (``"spawn"``, what NCCL needs: CUDA
+    does not survive a fork of a process that touched it, and importing sglang does).
 
-    Returns ``{seed: [RankResult per rank]}`` plus ``"exits"``; a rank that neither answered nor exited by ``wall_s``
-    is killed and reported as a hang. A group whose rendezvous port was taken between ``free_port``
-    and rank 0's bind (the machine is shared: EADDRINUSE before any job ran) is started again on
-    another port, up to twice.
+    Returns ``{seed: [RankResult per rank]}`` plus ``"exits"``, and with a ``watch`` ``"stalls"``
+    (``read_stalls``); a rank that neither answered nor exited by ``wall_s`` is killed and reported
+    as a hang. A group whose rendezvous port was taken between ``free_port`` and rank 0's bind (the
+    machine is shared: EADDRINUSE before any job ran) is started again on another port, up to twice.
     """
     for attempt in range(3):
-        results = _run_group_once(world, jobs, timeout_s, env, wall_s)
+        results = _run_group_once(world, jobs, timeout_s, env, wall_s, forward, watch, start)
         lost_port = results.get(None)
         if attempt == 2 or not lost_port or not any(
                 r is not None and r.status == "error" and "EADDRINUSE" in (r.detail or "") for r in lost_port):
@@ -929,16 +1337,21 @@ def run_group(world: int, jobs: list, timeout_s: float = 20.0, env: dict | None 
     return results
 
 
-def _run_group_once(world: int, jobs: list, timeout_s: float, env: dict | None, wall_s: float):
+def _run_group_once(world: int, jobs: list, timeout_s: float, env: dict | None, wall_s: float,
+                    forward: ForwardSpec, watch: Watch | None, start: str):
     import multiprocessing as mp
+    import signal
 
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start)
     port = free_port()
     ipc_dir = tempfile.mkdtemp(prefix="dsv4guard")
+    dump_dir = tempfile.mkdtemp(prefix="group", dir=watch.dump_dir) if watch else None
+    rank_environment = rank_env(forward, dump_dir) | (env or {})
     procs, conns = [], []
     for rank in range(world):
         parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_worker, args=(rank, world, port, timeout_s, ipc_dir, jobs, child, env or {}))
+        p = ctx.Process(target=_worker, args=(rank, world, port, timeout_s, ipc_dir, jobs, child, rank_environment),
+                        kwargs={"forward": forward, "watch": watch, "dump_dir": dump_dir, "trees": _TREES.get("dir")})
         p.start()
         child.close()
         procs.append(p)
@@ -957,15 +1370,63 @@ def _run_group_once(world: int, jobs: list, timeout_s: float, env: dict | None, 
                     continue
                 results.setdefault(seed, [None] * world)[rank] = res
     answered = time.monotonic()
+    seeds = [sc.seed if isinstance(sc, Scenario) else sc[0] for sc, *_ in jobs]
     for rank, p in enumerate(procs):
         p.join(timeout=max(0.1, deadline - time.monotonic()))
         exits[rank] = (p.exitcode, time.monotonic() - answered)
         if p.is_alive():
+            if watch:  # its stacks first, through faulthandler's signal handler
+                os.kill(p.pid, signal.SIGUSR1)
+                time.sleep(1.0)
             p.kill()
             p.join()
         if p.exitcode not in (0, None):
+            death = _died(rank, p.exitcode)
+            unanswered = [seed for seed in seeds if (results.get(seed) or [None] * world)[rank] is None]
+            if unanswered:  # the job it died in, even when no rank answered it
+                results.setdefault(unanswered[0], [None] * world)
             for per_rank in results.values():
                 if per_rank[rank] is None:
-                    per_rank[rank] = RankResult(rank, "error", f"process died with exit code {p.exitcode}")
+                    per_rank[rank] = death
     results["exits"] = exits  # rank -> (exit code, seconds from the last answer to the exit)
+    if dump_dir:
+        results["stalls"] = read_stalls(dump_dir, world)
     return results
+
+
+def _died(rank: int, code: int) -> RankResult:
+    import signal
+
+    if code == WATCHDOG_EXIT:
+        return RankResult(rank, "killed_by_watchdog", f"the stall watchdog ended the rank (exit code {code})")
+    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    return RankResult(rank, "error", f"process died with {how}")
+
+
+LOG_LINES = ("watchdog", "timed out", "timeout", "desync", "nccl warn", "error", "abort")
+
+
+def read_stalls(dump_dir: str, world: int) -> dict:
+    """Per rank, what the group's dump folder holds: the watchdog's stall records (in order), the rank's
+    log lines about timeouts, watchdogs and errors (NCCL's and torch's), NCCL's own flight-recorder
+    dump on timeout, and the start of its faulthandler stack dumps (the first stall)."""
+    import glob
+    import json
+    import re
+
+    out = {}
+    for rank in range(world):
+        def number(path):
+            return int(re.search(r"stall(\d+)\.json$", path).group(1))
+
+        stalls = [json.load(open(p)) for p in sorted(glob.glob(f"{dump_dir}/rank{rank}_stall*.json"), key=number)]
+        log = []
+        if os.path.exists(f"{dump_dir}/rank{rank}.log"):
+            lines = open(f"{dump_dir}/rank{rank}.log", errors="replace").read().splitlines()
+            log = [ln[:400] for ln in lines if any(w in ln.lower() for w in LOG_LINES)][-20:]
+        fr = f"{dump_dir}/nccl_fr_rank{rank}"
+        stacks = f"{dump_dir}/rank{rank}_stacks.txt"
+        out[rank] = {"stalls": stalls, "log": log,
+                     "nccl_dump_on_timeout": _nccl_flight_recorder(open(fr, "rb").read()) if os.path.exists(fr) else None,
+                     "faulthandler": open(stacks).read()[:8000] if os.path.exists(stacks) else ""}
+    return out
