@@ -1,13 +1,17 @@
-"""H200 bench of the bf16 indexer kernels against upstream's own fp8 kernel, same page tables, one run (issue 14).
+"""H200 bench of the bf16 indexer kernels against upstream's own fp8 kernels, same page tables, one run (issue 14).
 
 One run measures the ceilings (HBM read bandwidth, dense bf16 and fp8 GEMM rates), checks every kernel
 against its torch reference (``doctor --selftest`` included) and times, side by side on the same keys
-and page tables, this package's bf16 logits kernel and upstream's TileLang fp8 kernel
+and page tables, this package's bf16 logits kernel and two upstream peers: the TileLang fp8 kernel
 ``tilelang_fp8_paged_mqa_logits`` -- the kernel the pin runs by default on sm_120
-(``SGLANG_OPT_USE_TILELANG_INDEXER=1`` from ``arg_groups/model_hook.py``), built here for sm_90. It
-writes bench/results/indexer_h200_<date>.json (or $OUT_JSON).
+(``SGLANG_OPT_USE_TILELANG_INDEXER=1`` from ``arg_groups/model_hook.py``), built here for sm_90 -- and,
+with ``--deepgemm``, DeepGEMM, the pin's default on sm_90: ``fp8_paged_mqa_logits`` for decode and
+target-verify, ``fp8_mqa_logits`` on the request's gathered keys for prefill (``deepgemm_info`` says how
+each is called). It writes bench/results/indexer_h200_<date>.json (or $OUT_JSON); without a peer its
+columns are None and the JSON says why.
 
-    PYTHONPATH=src COMMIT=$(git rev-parse HEAD) python bench/indexer_h200.py --tilelang PATH/tilelang_kernel.py
+    PYTHONPATH=src COMMIT=$(git rev-parse HEAD) python bench/indexer_h200.py --tilelang PATH/tilelang_kernel.py \
+        [--deepgemm DEST]   # DEST from bench/build_deepgemm_device.sh build; --deepgemm-warm first compiles its kernels
 
 ``PATH/tilelang_kernel.py`` is ``sglang/kernels/ops/attention/dsa/tilelang_kernel.py`` from the
 sglang==0.5.23 wheel, run unmodified. The device image has no sglang, so the two sglang helpers that file
@@ -35,6 +39,7 @@ import datetime
 import importlib.util
 import math
 import os
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -96,15 +101,110 @@ def fp8_pool(pages_bf16):
 class Fp8Peer:
     """The same queries and keys in upstream's fp8 format, and a call of upstream's TileLang kernel on them."""
 
+    name = "fp8"  # the JSON keys of this peer: fp8_ms, fp8_vs_bf16_*, and "ratio" (ours / fp8)
+
     def __init__(self, fn, pool8):
         self.fn, self.pool8 = fn, pool8
 
-    def prepare(self, q, w):
-        q8, qs = fp8_rows(q)
-        return q8.unsqueeze(1).contiguous(), (w * qs).contiguous()
+    def bind(self, q, w, sl, pt, width):
+        """The kernel's call on these inputs as a no-argument function; quantising q is outside it."""
+        q8, w8 = fp8_query(q, w)
+        q8 = q8.unsqueeze(1).contiguous()
+        return lambda: self.fn(q8, self.pool8, w8, sl, pt, None, width, False)
 
-    def __call__(self, q8, w8, seq_lens, page_table, width):
-        return self.fn(q8, self.pool8, w8, seq_lens, page_table, None, width, False)
+    def scored_lens(self, sl):
+        return sl
+
+    def setup_ms(self, sl):
+        return {}
+
+
+def fp8_query(q, w):
+    """upstream's fp8 query: per-head e4m3 rows, the fp32 row scale folded into the head weights."""
+    q8, qs = fp8_rows(q)
+    return q8, (w * qs).contiguous()
+
+
+# ----------------------------------------------------------------------------- upstream's sm_90 default
+def load_deepgemm(build: str | None):
+    """DeepGEMM as built by bench/build_deepgemm_device.sh (``build`` holds deep_gemm/), or (None, why not)."""
+    if not build:
+        return None, "no --deepgemm build given (bench/build_deepgemm_device.sh builds one on the device)"
+    sys.path.insert(0, str(Path(build).resolve()))
+    try:
+        import deep_gemm
+
+        return deep_gemm, None
+    except Exception as exc:  # reported in the JSON: the run goes on without the column
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def deepgemm_info(dg, build):
+    """What was loaded and how the bench calls it, for the JSON."""
+    manifest = Path(build) / "MANIFEST"
+    return {"version": getattr(dg, "__version__", None), "num_sms": dg.get_num_sms(),
+            "manifest": manifest.read_text().splitlines() if manifest.exists() else None,
+            "decode_and_verify": "fp8_paged_mqa_logits(q [rows,1,64,128] e4m3, kv_cache [pages,64,1,132] uint8, "
+                                 "weights [rows,64] fp32 (head weight x q scale), context_lens [rows,1] int32, "
+                                 "block_table, schedule, width, clean_logits=False): the pin's c4 call on sm_90 "
+                                 "(one row per request, target-verify rows too)",
+            "schedule": "get_paged_mqa_logits_metadata(context_lens, 64, num_sms), built once per shape outside "
+                        "the timed region and the CUDA graph: the pin builds it once per forward in "
+                        "PagedIndexerMetadata, shared by every layer, before graph replay. The pin's default "
+                        "planner is sglang's own JIT kernel (SGLANG_OPT_USE_JIT_INDEXER_METADATA), which needs "
+                        "sglang, absent on the device; this is DeepGEMM's planner; deepgemm_metadata_ms is its time",
+            "prefill": "fp8_mqa_logits(q [rows,64,128] e4m3, (keys [n,128] e4m3, scales [n] fp32), weights, "
+                       "ks=0, ke=length or 0 where length <= 512, clean_logits=False, max_seqlen_k=align(n, 64)): "
+                       "the pin's non-paged path for one request of >= 8192 rows (SGLANG_OPT_DSV4_NONPAGED_INDEXER), "
+                       "rows of <= 512 keys left to the SGL top-k as the pin does; the per-layer key gather "
+                       "(sglang's kernel) is not timed"}
+
+
+class DeepGemmPagedPeer:
+    """DeepGEMM's paged fp8 kernel on the same fp8 pages and page tables, called as the pin calls it on sm_90."""
+
+    name = "deepgemm"
+
+    def __init__(self, dg, pool8):
+        self.dg, self.pool8 = dg, pool8
+
+    def schedule(self, sl):
+        return self.dg.get_paged_mqa_logits_metadata(sl.view(-1, 1).contiguous(), PAGE, self.dg.get_num_sms())
+
+    def bind(self, q, w, sl, pt, width):
+        q8, w8 = fp8_query(q, w)
+        q8 = q8.unsqueeze(1).contiguous()
+        lens = sl.view(-1, 1).contiguous()
+        meta = self.schedule(sl)
+        return lambda: self.dg.fp8_paged_mqa_logits(q8, self.pool8, w8, lens, pt, meta, width, False)
+
+    def scored_lens(self, sl):
+        return sl
+
+    def setup_ms(self, sl):
+        """The schedule's own time: once per forward in serving, shared by the layers, so not in deepgemm_ms."""
+        return {"deepgemm_metadata_ms": g.median_ms(lambda: self.schedule(sl), rep=20)}
+
+
+class DeepGemmRaggedPeer(DeepGemmPagedPeer):
+    """DeepGEMM's non-paged fp8 kernel: the pin's sm_90 prefill of one request (keys gathered once, contiguous)."""
+
+    def bind(self, q, w, sl, pt, width):
+        q8, w8 = fp8_query(q, w)
+        n = int(sl.max())
+        pages = self.pool8[pt[0, : math.ceil(n / PAGE)].long()].view(-1, PAGE * (D + 4))
+        keys = pages[:, : PAGE * D].reshape(-1, D)[:n].view(torch.float8_e4m3fn).contiguous()
+        scales = pages[:, PAGE * D:].reshape(-1, 4)[:n].contiguous().view(torch.float32).view(-1)
+        ks = torch.zeros_like(sl)
+        ke = self.scored_lens(sl)
+        max_k = math.ceil(n / PAGE) * PAGE
+        return lambda: self.dg.fp8_mqa_logits(q8, (keys, scales), w8, ks, ke, clean_logits=False, max_seqlen_k=max_k)
+
+    def scored_lens(self, sl):
+        return torch.where(sl > TOPK, sl, torch.zeros_like(sl)).to(torch.int32).contiguous()
+
+    def setup_ms(self, sl):
+        return {}
 
 
 # ----------------------------------------------------------------------------- cases and checks
@@ -138,14 +238,39 @@ def check_rows(out, q, pages, w, sl, pt, width, rows):
             "past_length_untouched": bool(got[~live].isnan().all())}
 
 
-def peer_agreement(ours, theirs, sl):
-    """How far upstream's fp8 scores are from ours on the live part (fp8 rounding, not a bug, when small)."""
+def peer_agreement(ours, theirs, sl, name):
+    """How far a peer's fp8 scores are from ours on the rows and keys it scored (small: fp8 rounding, not a bug)."""
+    theirs = theirs[:, : ours.shape[1]]  # DeepGEMM's prefill logits are max_seqlen_k (a page multiple) wide
     live = torch.arange(ours.shape[1], device=DEV)[None, :] < sl[:, None]
+    if not bool(live.any()):  # e.g. a tiny dry-run prefill: every row left to the top-k
+        return {f"{name}_vs_bf16_rel_err": None, f"{name}_vs_bf16_top512_overlap_min": None}
     err = float((theirs[live] - ours[live]).norm() / ours[live].norm())
+    scored = [(r, n) for r, n in enumerate(sl.tolist()) if n > 0][:4]
     overlap = [len(set(torch.topk(ours[r, :n], min(TOPK, n)).indices.tolist())
                    & set(torch.topk(theirs[r, :n], min(TOPK, n)).indices.tolist())) / min(TOPK, n)
-               for r, n in enumerate(sl[: min(4, len(sl))].tolist())]
-    return {"fp8_vs_bf16_rel_err": err, "fp8_vs_bf16_top512_overlap_min": min(overlap)}
+               for r, n in scored]
+    return {f"{name}_vs_bf16_rel_err": err, f"{name}_vs_bf16_top512_overlap_min": min(overlap)}
+
+
+RATIO_KEY = {"fp8": "ratio", "deepgemm": "ratio_vs_deepgemm"}  # ours / peer
+
+
+def _peer_fields() -> dict:
+    """Every peer's time and ratio keys, None until it runs: an absent peer reads the same in every row."""
+    return {k: None for name in RATIO_KEY for k in (f"{name}_ms", RATIO_KEY[name])}
+
+
+def _bind_peers(peers, q, w, sl, pt, width, res):
+    """Each peer's call bound to these inputs and its eager output; a peer that fails is recorded and left out."""
+    calls, outs = {}, {}
+    for peer in peers:
+        try:
+            call = peer.bind(q, w, sl, pt, width)
+            outs[peer.name] = call()
+            calls[peer.name] = call
+        except Exception as exc:  # an upstream kernel failing on a shape is a finding, not a crash of the run
+            res[f"{peer.name}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return calls, outs
 
 
 def _time_alternating(res: dict, timers: dict, rounds: int) -> None:
@@ -159,14 +284,16 @@ def _time_alternating(res: dict, timers: dict, rounds: int) -> None:
         res[f"{k}_ms_rounds"] = ts
 
 
-def _compare_with_peer(res: dict, out, theirs_out, sl) -> None:
-    """Our time over the peer's, and how far the two kernels' logits agree (when the peer ran)."""
-    if theirs_out is not None:
-        res["ratio"] = res["ours_ms"] / res["fp8_ms"]
-        res.update(peer_agreement(out, theirs_out, sl))
+def _compare_with_peers(res: dict, out, outs: dict, peers, sl) -> None:
+    """Our time over each peer's, and how far the peer's logits agree with ours (for the peers that ran)."""
+    for peer in peers:
+        if peer.name in outs:
+            res[RATIO_KEY[peer.name]] = res["ours_ms"] / res[f"{peer.name}_ms"]
+            res.update(peer_agreement(out, outs[peer.name], peer.scored_lens(sl), peer.name))
+            res.update(peer.setup_ms(sl))
 
 
-def timed_pair(peer, q, w, pages, sl, pt, width, rounds=3, **kw):
+def timed_pair(peers, q, w, pages, sl, pt, width, rounds=3, **kw):
     """Our kernel and upstream's on the same inputs, timed in alternating rounds after a pre-heat.
 
     Each figure is the median over ``rounds`` of do_bench medians (L2 flushed before every call); the
@@ -175,20 +302,13 @@ def timed_pair(peer, q, w, pages, sl, pt, width, rounds=3, **kw):
     out = torch.full((q.shape[0], width), float("nan"), device=DEV)
     bf16_paged_mqa_logits(q, pages, w, sl, pt, width, out=out, **kw)
     scratch = torch.empty_like(out)
-    fns = {"ours": lambda: bf16_paged_mqa_logits(q, pages, w, sl, pt, width, out=scratch, **kw)}
-    res = {"fp8_ms": None, "ratio": None}
-    theirs_out = None
-    if peer is not None:
-        try:
-            q8, w8 = peer.prepare(q, w)
-            theirs_out = peer(q8, w8, sl, pt, width)
-            fns["fp8"] = lambda: peer(q8, w8, sl, pt, width)
-        except Exception as exc:  # upstream's kernel failing on a shape is a finding, not a crash of the run
-            res["fp8_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    res = _peer_fields()
+    calls, outs = _bind_peers(peers, q, w, sl, pt, width, res)
+    fns = {"ours": lambda: bf16_paged_mqa_logits(q, pages, w, sl, pt, width, out=scratch, **kw), **calls}
     g.preheat()
     _time_alternating(res, {k: (lambda fn=fn: g.median_ms(fn, rep=60)) for k, fn in fns.items()}, rounds)
-    _compare_with_peer(res, out, theirs_out, sl)
-    del scratch, theirs_out
+    _compare_with_peers(res, out, outs, peers, sl)
+    del scratch, outs
     return res, out
 
 
@@ -229,17 +349,18 @@ def _replay_ms(graph, n_calls, reps=5):
     return sorted(times)[len(times) // 2]
 
 
-def timed_pair_graph(peer, draws, pages, sl, width, rounds=5, **kw):
+def timed_pair_graph(peers, draws, pages, sl, width, rounds=5, **kw):
     """Decode timing as in serving: each kernel's launches in one CUDA graph, over rotating page draws.
 
     ``draws`` is a list of (q, w, page_table) with independent random pages, so back-to-back launches
     read keys from HBM, not from L2 (do_bench's L2 flush plus host launch time made 10 us kernels read
-    20-60 us here). Both kernels see the same draws; rounds alternate between them. If upstream's
-    kernel cannot be captured, both are timed with do_bench instead (``timing`` says which).
+    20-60 us here). Every kernel sees the same draws; rounds alternate between them. A peer's per-call
+    preparation (query quantisation, DeepGEMM's schedule) happens at bind time, outside its graph. If a
+    peer cannot be captured, all are timed with do_bench instead (``timing`` says which).
     """
     if g._DRY["on"]:
         q, w, pt = draws[0]
-        return timed_pair(peer, q, w, pages, sl, pt, width, rounds=1, **kw)
+        return timed_pair(peers, q, w, pages, sl, pt, width, rounds=1, **kw)
     q0, w0, pt0 = draws[0]
     out = torch.full((q0.shape[0], width), float("nan"), device=DEV)
     bf16_paged_mqa_logits(q0, pages, w0, sl, pt0, width, out=out, **kw)
@@ -247,26 +368,23 @@ def timed_pair_graph(peer, draws, pages, sl, width, rounds=5, **kw):
     ours = [(lambda q=q, w=w, pt=pt: bf16_paged_mqa_logits(q, pages, w, sl, pt, width, out=scratch, **kw))
             for q, w, pt in draws]
     graphs = {"ours": _capture(ours)}
-    res = {"fp8_ms": None, "ratio": None, "timing": "cuda_graph", "draws": len(draws)}
-    theirs_out = None
-    if peer is not None:
+    res = {**_peer_fields(), "timing": "cuda_graph", "draws": len(draws)}
+    _, outs = _bind_peers(peers, q0, w0, sl, pt0, width, res)
+    ran = [peer for peer in peers if peer.name in outs]
+    for peer in ran:
         try:
-            prepared = [peer.prepare(q, w) + (pt,) for q, w, pt in draws]
-            q8, w8, _ = prepared[0]
-            theirs_out = peer(q8, w8, sl, pt0, width)
-            graphs["fp8"] = _capture([(lambda q8=q8, w8=w8, pt=pt: peer(q8, w8, sl, pt, width))
-                                      for q8, w8, pt in prepared])
+            graphs[peer.name] = _capture([peer.bind(q, w, sl, pt, width) for q, w, pt in draws])
         except Exception as exc:
-            res["fp8_graph_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            del graphs
+            error = {f"{peer.name}_graph_error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            del graphs, outs
             torch.cuda.synchronize()
-            r, o = timed_pair(peer, q0, w0, pages, sl, pt0, width, rounds=rounds, **kw)
-            r.update(timing="do_bench", fp8_graph_error=res["fp8_graph_error"])
+            r, o = timed_pair(ran, q0, w0, pages, sl, pt0, width, rounds=rounds, **kw)
+            r.update(timing="do_bench", **error)
             return r, o
     g.preheat()
     _time_alternating(res, {k: (lambda gr=gr: _replay_ms(gr, len(draws))) for k, gr in graphs.items()}, rounds)
-    _compare_with_peer(res, out, theirs_out, sl)
-    del graphs, scratch, theirs_out
+    _compare_with_peers(res, out, outs, peers, sl)
+    del graphs, scratch, outs
     torch.cuda.synchronize()
     return res, out
 
@@ -282,7 +400,11 @@ def decode_draws(pool, b, live, gen, n, rows_per_req=1):
     return draws
 
 
-def decode_section(peer, pool, gen, read_gbps):
+def _fp8_hbm_fraction(res, name, nbytes, read_gbps):
+    return nbytes / (res[f"{name}_ms"] * 1e6) / read_gbps if res.get(f"{name}_ms") else None
+
+
+def decode_section(peers, pool, gen, read_gbps):
     rows_out = []
     for b in SIZES["decode_b"]:
         for live in SIZES["decode_live"]:
@@ -291,14 +413,15 @@ def decode_section(peer, pool, gen, read_gbps):
             sl = torch.full((b,), live, dtype=torch.int32, device=DEV)
             for width in sorted({live, SIZES["width"]}):
                 cut = [(q, w, pt[:, : math.ceil(width / PAGE)].contiguous()) for q, w, pt in draws]
-                res, out = timed_pair_graph(peer, cut, pool, sl, width)
+                res, out = timed_pair_graph(peers, cut, pool, sl, width)
                 res.update(shape="decode", B=b, live=live, width=width)
                 q, w, pt = cut[0]
                 res["check"] = check_rows(out, q, pool, w, sl, pt, width, list(range(min(b, SIZES["check_rows"]))))
                 nbytes = b * live * D * 2 + b * live * 4 + q.numel() * 2  # keys, logits written, queries
                 res["hbm_fraction"] = nbytes / (res["ours_ms"] * 1e6) / read_gbps
-                res["fp8_hbm_fraction"] = (b * live * (D + 4) + b * live * 4 + q.numel()) / (
-                    res["fp8_ms"] * 1e6) / read_gbps if res.get("fp8_ms") else None
+                fp8_bytes = b * live * (D + 4) + b * live * 4 + q.numel()  # fp8 keys and scales, logits, queries
+                for name in RATIO_KEY:
+                    res[f"{name}_hbm_fraction"] = _fp8_hbm_fraction(res, name, fp8_bytes, read_gbps)
                 rows_out.append(res)
                 print(_row_text(res), flush=True)
                 del out, cut
@@ -306,7 +429,7 @@ def decode_section(peer, pool, gen, read_gbps):
     return rows_out
 
 
-def verify_section(peer, pool, gen):
+def verify_section(peers, pool, gen):
     rows_out = []
     for b, live in SIZES["verify"]:
         lens = [n for _ in range(b) for n in (live - 1, live)]  # next_n = 2 draft rows per request
@@ -314,7 +437,7 @@ def verify_section(peer, pool, gen):
         sl = torch.as_tensor(lens, dtype=torch.int32, device=DEV)
         for width in sorted({live, SIZES["width"]}):
             cut = [(q, w, pt[:, : math.ceil(width / PAGE)].contiguous()) for q, w, pt in draws]
-            res, out = timed_pair_graph(peer, cut, pool, sl, width)
+            res, out = timed_pair_graph(peers, cut, pool, sl, width)
             res.update(shape="target_verify", B=b, next_n=2, rows=2 * b, live=live, width=width)
             q, w, pt = cut[0]
             res["check"] = check_rows(out, q, pool, w, sl, pt, width, [0, 1])
@@ -325,19 +448,20 @@ def verify_section(peer, pool, gen):
     return rows_out
 
 
-def prefill_section(peer, pool, gen, gemm_tflops):
+def prefill_section(peers, pool, gen, gemm_tflops):
     rows_out = []
     for n in SIZES["prefill"]:
         for kind in ("dense", "causal"):
             lens = [n] * n if kind == "dense" else list(range(1, n + 1))
             q, w, sl, pt = case(pool.shape[0], n, lens, n, gen, shared=True)
-            res, out = timed_pair(peer, q, w, pool, sl, pt, n)
+            res, out = timed_pair(peers, q, w, pool, sl, pt, n)
             flops = 2.0 * float(sl.double().sum()) * H * D
             res.update(shape="prefill", kind=kind, rows=n, keys=n, width=n, flops=flops,
                        ours_tflops=flops / res["ours_ms"] / 1e9)
             res["ours_gemm_fraction"] = res["ours_tflops"] / gemm_tflops
-            if res["fp8_ms"]:
-                res["fp8_tflops"] = flops / res["fp8_ms"] / 1e9
+            for name in RATIO_KEY:
+                if res[f"{name}_ms"]:
+                    res[f"{name}_tflops"] = flops / res[f"{name}_ms"] / 1e9
             res["check"] = check_rows(out, q, pool, w, sl, pt, n, [0, n // 2, n - 1])
             rows_out.append(res)
             print(_row_text(res), flush=True)
@@ -421,8 +545,7 @@ def tune_section(peer, pool, gen, rep=60, prefill=True):
         fp8_graph = None
         if peer is not None and not dry:
             try:
-                prepared = [peer.prepare(q, w) + (pt,) for q, w, pt in draws]
-                fp8_graph = _capture([(lambda q8=q8, w8=w8, pt=pt: peer(q8, w8, sl, pt, width)) for q8, w8, pt in prepared])
+                fp8_graph = _capture([peer.bind(q, w, sl, pt, width) for q, w, pt in draws])
             except Exception as exc:
                 entry["fp8_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         g.preheat()
@@ -473,8 +596,7 @@ def tune_section(peer, pool, gen, rep=60, prefill=True):
         entry = {"kind": kind, "rows": n, "fp8_ms": [], "configs": []}
         fp8 = None
         if peer is not None:
-            q8, w8 = peer.prepare(q, w)
-            fp8 = lambda: peer(q8, w8, sl, pt, n)  # noqa: E731
+            fp8 = peer.bind(q, w, sl, pt, n)
         g.preheat()
         if fp8 is not None:
             entry["fp8_ms"].append(g.median_ms(fp8, rep=rep))
@@ -556,11 +678,50 @@ def correctness_ragged(pool, gen):
 def _row_text(r):
     name = r["shape"] + (f" {r['kind']}" if "kind" in r else "")
     dims = f"B={r['B']}" if "B" in r else f"rows={r['rows']}"
-    ratio = f"{r['ratio']:.2f}" if r.get("ratio") else "-"
-    fp8 = f"{r['fp8_ms']:.4f}" if r.get("fp8_ms") else "-"
+
+    def fmt(key, spec):
+        return format(r[key], spec) if r.get(key) else "-"
+
     return (f"{name:<22} {dims:<8} live={r['live'] if 'live' in r else r['keys']:<7} width={r['width']:<7} "
-            f"ours {r['ours_ms']:.4f} ms  fp8 {fp8} ms  ours/fp8 {ratio}  "
+            f"ours {r['ours_ms']:.4f} ms  tilelang {fmt('fp8_ms', '.4f')} ms  deepgemm {fmt('deepgemm_ms', '.4f')} ms  "
+            f"ours/tilelang {fmt('ratio', '.2f')}  ours/deepgemm {fmt('ratio_vs_deepgemm', '.2f')}  "
             f"err {r['check']['rel_err']:.1e} top512 {'=' if r['check']['top512_identical'] else 'DIFF'}")
+
+
+def warm_deepgemm(build):
+    """JIT-compiles, one process each and all at once, the DeepGEMM kernel variants the run will call.
+
+    nvcc takes tens of seconds a variant; the timed run then finds them in DeepGEMM's on-disk cache.
+    The paged kernel and the prefill kernel have one variant for all shapes here; the schedule kernel
+    has one per batch rounded up to 32 rows.
+    """
+    rows = sorted(set(SIZES["decode_b"]) | {2 * b for b, _ in SIZES["verify"]})
+    by_aligned = {}
+    for r in rows:
+        by_aligned.setdefault(math.ceil(r / 32), r)
+    specs = [f"paged:{rows[0]}"] + [f"schedule:{r}" for r in by_aligned.values() if r != rows[0]] + ["ragged:256"]
+    t0 = datetime.datetime.now()
+    procs = {spec: subprocess.Popen([sys.executable, __file__, "--deepgemm", build, "--deepgemm-warm-one", spec])
+             for spec in specs}
+    codes = {spec: proc.wait() for spec, proc in procs.items()}
+    print(f"deepgemm warm-up {codes} in {(datetime.datetime.now() - t0).total_seconds():.0f} s", flush=True)
+
+
+def warm_deepgemm_one(dg, spec):
+    """One variant of warm_deepgemm, on tiny inputs with the run's template parameters (heads, dims, pages)."""
+    kind, rows = spec.split(":")
+    rows, keys = int(rows), 1024
+    pool = torch.randn((keys // PAGE, PAGE, D), device=DEV).to(torch.bfloat16)
+    q = torch.randn((rows, H, D), device=DEV).to(torch.bfloat16)
+    w = torch.randn((rows, H), device=DEV)
+    sl = torch.full((rows,), keys, dtype=torch.int32, device=DEV)
+    pt = torch.arange(keys // PAGE, dtype=torch.int32, device=DEV).expand(rows, -1).contiguous()
+    peer = (DeepGemmRaggedPeer if kind == "ragged" else DeepGemmPagedPeer)(dg, fp8_pool(pool))
+    if kind == "schedule":
+        peer.schedule(sl)
+    else:
+        peer.bind(q, w, sl, pt, keys)()
+    torch.cuda.synchronize()
 
 
 def main():
@@ -570,7 +731,14 @@ def main():
     ap.add_argument("--tune-only", action="store_true", help="only the launch-configuration tuning (its own JSON)")
     ap.add_argument("--tune-decode-only", action="store_true", help="with --tune-only: decode configurations only")
     ap.add_argument("--dry-cpu", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): checks the script")
+    ap.add_argument("--deepgemm", help="a DeepGEMM build from bench/build_deepgemm_device.sh (the folder holding deep_gemm/)")
+    ap.add_argument("--deepgemm-warm", action="store_true", help="only JIT-compile DeepGEMM's kernel variants, in parallel")
+    ap.add_argument("--deepgemm-warm-one", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.deepgemm_warm:
+        return warm_deepgemm(args.deepgemm)
+    if args.deepgemm_warm_one:
+        return warm_deepgemm_one(load_deepgemm(args.deepgemm)[0], args.deepgemm_warm_one)
     global DEV
     if args.dry_cpu:
         DEV = "cpu"
@@ -591,27 +759,36 @@ def main():
         print("\n".join(result["selftest"]), flush=True)
     fn, why_not = load_tilelang(None if args.dry_cpu else args.tilelang)
     result["tilelang"] = {"loaded": fn is not None, "why_not": why_not, "file": args.tilelang}
+    dg, dg_why_not = load_deepgemm(args.deepgemm)
+    result["deepgemm"] = {"loaded": dg is not None, "why_not": dg_why_not, "build": args.deepgemm,
+                          **(deepgemm_info(dg, args.deepgemm) if dg is not None else {})}
     pool_pages = max(max(SIZES["decode_b"]) * max(SIZES["decode_live"]) // PAGE,
                      12 * math.ceil(SIZES["ragged_max"] / PAGE))  # the ragged case's 12 rows, one table each
     pool = torch.randn((pool_pages, PAGE, D), generator=gen, device=DEV).to(torch.bfloat16)
-    peer = Fp8Peer(fn, fp8_pool(pool)) if fn is not None else None
+    pool8 = fp8_pool(pool) if fn is not None or dg is not None else None
+    peer = Fp8Peer(fn, pool8) if fn is not None else None
+    paged_peers = ([peer] if peer else []) + ([DeepGemmPagedPeer(dg, pool8)] if dg is not None else [])
+    prefill_peers = ([peer] if peer else []) + ([DeepGemmRaggedPeer(dg, pool8)] if dg is not None else [])
     if args.tune_only:
         result["tune"] = tune_section(peer, pool, gen, prefill=not args.tune_decode_only)
         path = Path(os.environ.get("OUT_JSON", "/tmp/indexer_tune_dry.json"))
         g.write_json(path, result)
         return
+    date = datetime.date.today().isoformat()
+    default = g.REPO / "bench" / "results" / f"indexer_h200_{date}.json"
+    path = Path(os.environ.get("OUT_JSON", "/tmp/indexer_dry.json" if args.dry_cpu else default))
     result["correctness_ragged"] = correctness_ragged(pool, gen)
     print("ragged", result["correctness_ragged"], flush=True)
     result["store_query"] = store_query_section(gen, ceil["hbm_read_gbps"])
     print("store/query", result["store_query"], flush=True)
-    result["decode"] = decode_section(peer, pool, gen, ceil["hbm_read_gbps"])
-    result["target_verify"] = verify_section(peer, pool, gen)
-    result["prefill"] = prefill_section(peer, pool, gen, ceil["gemm_bf16_tflops"])
+    # the JSON is rewritten after each timed section, so a run cut short keeps what it finished
+    result["decode"] = decode_section(paged_peers, pool, gen, ceil["hbm_read_gbps"])
+    g.write_json(path, result)
+    result["target_verify"] = verify_section(paged_peers, pool, gen)
+    g.write_json(path, result)
+    result["prefill"] = prefill_section(prefill_peers, pool, gen, ceil["gemm_bf16_tflops"])
     if not args.no_sweep:
         result["sweep"] = sweep_section(pool, gen)
-    date = datetime.date.today().isoformat()
-    default = g.REPO / "bench" / "results" / f"indexer_h200_{date}.json"
-    path = Path(os.environ.get("OUT_JSON", "/tmp/indexer_dry.json" if args.dry_cpu else default))
     g.write_json(path, result)
     print("\nTABLE")
     for r in result["decode"] + result["target_verify"] + result["prefill"]:
