@@ -347,6 +347,50 @@ def warm(n_procs, tilelang_path):
     return {"jobs": len(jobs), "tilelang_jobs": len(tl_jobs), "seconds": time.time() - t0}
 
 
+# ----------------------------------------------------------------------------- graph-replay preflight
+def _preflight_worker(kind):
+    """Every configuration of one kind on the tiny shapes: eager, captured, replayed 20 times, synchronised.
+    In its own process, so an illegal access (which poisons the CUDA context) only loses this kind."""
+    torch.cuda.set_device(0)
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(7)
+    pool = torch.randn((4096, PAGE, D), generator=gen, device="cuda").to(torch.bfloat16)
+    done = []
+    for b, live in TINY:
+        for width in sorted({live, WIDTH}):
+            draws = [(q, w, pt[:, : width // PAGE].contiguous()) for q, w, pt in ih.decode_draws(pool, b, live, gen, 8)]
+            sl = torch.full((b,), live, dtype=torch.int32, device="cuda")
+            out = torch.empty((b, width), device="cuda")
+            for name, (k, kw) in configs_for(b, live, width).items():
+                if k != kind:
+                    continue
+                try:
+                    run = launcher(k, kw, pool, width)
+                    run(*draws[0][:2], sl, draws[0][2], out)
+                    torch.cuda.synchronize()
+                    graph = ih._capture([(lambda q=q, w=w, pt=pt: run(q, w, sl, pt, out)) for q, w, pt in draws])
+                    for _ in range(20):
+                        graph.replay()
+                    torch.cuda.synchronize()
+                    done.append(f"{name}@{b}x{live}/{width}")
+                except Exception as exc:
+                    return {"kind": kind, "ok": done, "failed": f"{name}@{b}x{live}/{width}",
+                            "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    return {"kind": kind, "ok": done, "failed": None}
+
+
+def preflight(kinds):
+    import multiprocessing as mp
+
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(len(kinds)) as p:
+        out = p.map(_preflight_worker, kinds)
+    print(f"preflight in {time.time() - t0:.1f} s: " + "; ".join(
+        f"{r['kind']}: {len(r['ok'])} ok" + (f", FAILED {r['failed']} ({r['error']})" if r["failed"] else "")
+        for r in out), flush=True)
+    return out
+
+
 # ----------------------------------------------------------------------------- measuring
 def reference(q, pool, w, sl, pt, width, rows):
     idx = torch.as_tensor(rows, device=q.device)
@@ -427,7 +471,7 @@ def _wall_ms(fn):
     return (time.perf_counter() - t0) * 1e3
 
 
-def ragged_checks(pool, gen, dev, dry):
+def ragged_checks(pool, gen, dev, dry, excluded=()):
     """Each candidate on rows of mixed lengths (short and long programs in one launch) at two widths."""
     out = []
     cases = [((1, 63, 64, 65, 700, 2048, 4095, 4096), 4096), ((1, 63, 64, 65, 700, 4096, 4097, 20000), 32768),
@@ -439,7 +483,7 @@ def ragged_checks(pool, gen, dev, dry):
         idx, ref = reference(q, pool, w, sl, pt, width, list(range(len(lens))))
         for b_like in (1, 8):
             for name, (kind, kw) in configs_for(b_like, 4096, width).items():
-                if kind.startswith("diag"):
+                if kind.startswith("diag") or kind in excluded:
                     continue
                 buf = torch.full((len(lens), width), float("nan"), device=dev)
                 try:
@@ -456,6 +500,8 @@ def main():
     ap.add_argument("--tilelang", help="upstream's tilelang_kernel.py from the sglang==0.5.23 wheel")
     ap.add_argument("--warm", type=int, default=0, help="compile every kernel first in this many processes")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--preflight", action="store_true",
+                    help="first replay each kind's graphs in its own process; a kind that faults is left out")
     ap.add_argument("--only-tiny", action="store_true", help="only the six tiny decode pairs")
     ap.add_argument("--dry-cpu", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
     args = ap.parse_args()
@@ -484,12 +530,16 @@ def main():
         except Exception as exc:  # the run goes on compiling as it goes
             result["warm"] = {"error": f"{type(exc).__name__}: {str(exc)[-400:]}"}
             print("warm failed:", result["warm"], flush=True)
+    excluded = set()
+    if args.preflight and not args.dry_cpu:
+        result["preflight"] = preflight(["package", "candidate", "tma", "diag_h32", "diag_l2"])
+        excluded = {r["kind"] for r in result["preflight"] if r["failed"]}
     fn, why_not = ih.load_tilelang(None if args.dry_cpu else args.tilelang)
     result["tilelang"] = {"loaded": fn is not None, "why_not": why_not, "file": args.tilelang}
     pool_pages = max(max(DECODE_B) * max(DECODE_LIVE) // PAGE, 8 * math.ceil(WIDTH / PAGE))
     pool = torch.randn((pool_pages, PAGE, D), generator=gen, device=dev).to(torch.bfloat16)
     peer = TileLangPeer(fn, ih.fp8_pool(pool)) if fn is not None else None
-    result["ragged"] = ragged_checks(pool, gen, dev, args.dry_cpu)
+    result["ragged"] = ragged_checks(pool, gen, dev, args.dry_cpu, excluded)
     bad = [r for r in result["ragged"] if "error" in r or not _passes(r)]
     print(f"ragged: {len(result['ragged'])} checks, {len(bad)} failing {bad[:3]}", flush=True)
     commit = meta["commit"][:7]
@@ -502,7 +552,7 @@ def main():
         draws = [(q, w, pt[:, : math.ceil(width / PAGE)].contiguous()) for q, w, pt in draws]
         lens = [live] * b if rpr == 1 else [x for _ in range(b) for x in (live - 1, live)]
         sl = torch.as_tensor(lens, dtype=torch.int32, device=dev)
-        configs = configs_for(b, live, width, verify=tag != "decode")
+        configs = {n: c for n, c in configs_for(b, live, width, verify=tag != "decode").items() if c[0] not in excluded}
         res = time_shape(peer, pool, draws, sl, width, configs, 1 if args.dry_cpu else args.rounds)
         res.update(shape=tag, B=b, live=live, width=width, rows=b * rpr)
         result["shapes"].append(res)
