@@ -500,6 +500,8 @@ def main():
     ap.add_argument("--tilelang", help="upstream's tilelang_kernel.py from the sglang==0.5.23 wheel")
     ap.add_argument("--warm", type=int, default=0, help="compile every kernel first in this many processes")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--kinds", default="package,candidate,tma,diag_h32,diag_l2",
+                    help="configuration kinds to run (comma-separated); the others are left out")
     ap.add_argument("--preflight", action="store_true",
                     help="first replay each kind's graphs in its own process; a kind that faults is left out")
     ap.add_argument("--only-tiny", action="store_true", help="only the six tiny decode pairs")
@@ -530,10 +532,12 @@ def main():
         except Exception as exc:  # the run goes on compiling as it goes
             result["warm"] = {"error": f"{type(exc).__name__}: {str(exc)[-400:]}"}
             print("warm failed:", result["warm"], flush=True)
-    excluded = set()
+    kinds = args.kinds.split(",")
+    excluded = {"package", "candidate", "tma", "diag_h32", "diag_l2"} - set(kinds)
+    result["kinds"] = kinds
     if args.preflight and not args.dry_cpu:
-        result["preflight"] = preflight(["package", "candidate", "tma", "diag_h32", "diag_l2"])
-        excluded = {r["kind"] for r in result["preflight"] if r["failed"]}
+        result["preflight"] = preflight(kinds)
+        excluded |= {r["kind"] for r in result["preflight"] if r["failed"]}
     fn, why_not = ih.load_tilelang(None if args.dry_cpu else args.tilelang)
     result["tilelang"] = {"loaded": fn is not None, "why_not": why_not, "file": args.tilelang}
     pool_pages = max(max(DECODE_B) * max(DECODE_LIVE) // PAGE, 8 * math.ceil(WIDTH / PAGE))
