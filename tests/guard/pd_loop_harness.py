@@ -1036,23 +1036,16 @@ class Harness:
         try:
             loop()
         except loop_guard.CollectiveGuardFailFast as exc:
-            return RankResult(self.rank, "failfast", str(exc), iters=self.iteration, forward_ops=self.forward_ops)
+            return self._ended("failfast", str(exc))
         except RuntimeError as exc:
             text = str(exc)
             status = "hang" if "imed out" in text or "timeout" in text.lower() else "error"
-            return RankResult(self.rank, status, f"{type(exc).__name__}: {text[:300]}", iters=self.iteration,
-                              forward_ops=self.forward_ops)
+            return self._ended(status, f"{type(exc).__name__}: {text[:300]}")
         except Exception:  # noqa: BLE001
-            return RankResult(self.rank, "error", traceback.format_exc()[-1500:], iters=self.iteration,
-                              forward_ops=self.forward_ops)
+            return self._ended("error", traceback.format_exc()[-1500:])
         seconds = time.perf_counter() - started
         self._drain()
         leftovers = {name: [getattr(x, "req", x).rid for x in q] for name, q in self._queues() if q}
-        if self.forward_events:  # NCCL: every forward must have completed, within the group's timeout
-            import torch
-
-            torch.cuda.synchronize()
-            self.forward_seconds += sum(b.elapsed_time(e) for b, e in self.forward_events) / 1e3
         # The ranks' forward collectives must have paired one to one: NCCL pairs equal-size unlike
         # collectives without a word, so a run can end "ok" with its forwards shifted against each other.
         streams = [None] * self.world
@@ -1061,8 +1054,13 @@ class Harness:
         status = "ok" if self.iteration < self.sc.max_iters or self.sc.ends_at_max else "stuck"
         detail = "" if status == "ok" else f"still busy at max_iters: {self.busy}"
         if len(set(streams)) > 1:
-            status = "desync"
+            status = "desync"  # some collectives have no partner left: no waiting for them below
             detail = f"forward collectives per rank differ (count, digest): {streams}"
+        elif self.forward_events:  # NCCL: every forward must have completed, within the group's timeout
+            import torch
+
+            torch.cuda.synchronize()
+            self.forward_seconds += sum(b.elapsed_time(e) for b, e in self.forward_events) / 1e3
         return RankResult(self.rank, status, detail,
                           leftovers=leftovers, outcomes=dict(self.outcomes), iters=self.iteration,
                           counters={"seen": c.divergences_seen, "reconciled": c.divergences_reconciled,
@@ -1071,6 +1069,12 @@ class Harness:
                           batch_check_seconds=self.batch_check_seconds,
                           injected=len(self.fired), forward_seconds=self.forward_seconds,
                           forward_ops=self.forward_ops)
+
+
+    def _ended(self, status: str, detail: str) -> RankResult:
+        """A loop that raised: what this rank got through before."""
+        return RankResult(self.rank, status, detail, iters=self.iteration, forward_ops=self.forward_ops,
+                          injected=len(self.fired))
 
 
 # ---- decode queues: upstream's classes, without the KV pools -----------------------------------
