@@ -18,6 +18,9 @@ kernels defined here, which differ from it only in how a short program starts:
 * ``w8``: 8 warps instead of 4; ``sN`` (N >= 16): N programs per row instead of the wave-filling choice;
 * ``diag_*``: diagnostics, not candidates (see ``configs_for``).
 
+Results so far (bench/results/indexer_h200_2026-12-01_tiny_*.json): none of the candidates brings the
+512-page shapes (1 x 32k, 8 x 4k) to TileLang's time; see the report of issue 14 item 3.
+
 Timing is bench/indexer_h200.py's: each kernel's launches in one CUDA graph over independent page draws
 (at least 512 MiB of keys per replay), alternating rounds (every kernel once a round), the median. Every
 configuration is checked on the first draw against the float64 reference (rel err, top-512, nothing
@@ -256,6 +259,12 @@ class TileLangPeer:
         return lambda: self.fn(q8, self.pool8, w8, sl, pt, None, width, False)
 
 
+# All-page-0 tables of the diag_l2 launcher, held for the whole run: a captured graph reads the table by address,
+# so it must outlive the launcher that made it (held only by that closure, it was freed and its memory reused
+# while the graphs of the 04edcfe / 0256c10 / 6aafe7e runs still read it: the illegal accesses of those runs).
+_ZERO_TABLES: dict = {}
+
+
 def launcher(kind, kw, pool, width):
     if kind == "package":
         return lambda q, w, sl, pt, out: ml.bf16_paged_mqa_logits(q, pool, w, sl, pt, width, out=out, **kw)
@@ -264,12 +273,11 @@ def launcher(kind, kw, pool, width):
     if kind == "diag_h32":
         return lambda q, w, sl, pt, out: ml.bf16_paged_mqa_logits(q[:, :32], pool, w[:, :32], sl, pt, width, out=out)
     if kind == "diag_l2":
-        zeros = {}  # one all-page-0 table per shape, made on the eager check call (never inside a graph capture)
-
         def run_l2(q, w, sl, pt, out):
-            if pt.shape not in zeros:
-                zeros[pt.shape] = torch.zeros_like(pt)
-            return ml.bf16_paged_mqa_logits(q, pool, w, sl, zeros[pt.shape], width, out=out)
+            key = (tuple(pt.shape), str(pt.device))
+            if key not in _ZERO_TABLES:  # made on the eager check call, never inside a graph capture
+                _ZERO_TABLES[key] = torch.zeros_like(pt)
+            return ml.bf16_paged_mqa_logits(q, pool, w, sl, _ZERO_TABLES[key], width, out=out)
         return run_l2
     return lambda q, w, sl, pt, out: candidate_logits(q, pool, w, sl, pt, width, out=out, **kw)
 
