@@ -20,7 +20,7 @@ kernels defined here, which differ from it only in how a short program starts:
 
 Results (bench/results/indexer_h200_2026-12-01_tiny_bb0eeb3.json, ..._6aafe7e_tma.json): ``short`` reaches
 0.96 of TileLang at 1 x 4k / width 4k (package 1.02); at 512 pages (1 x 32k, 8 x 4k) the best candidate is
-1.08-1.11 (package 1.11-1.14) and at the capture width none beats the package kernel; the page-id hints change
+1.08-1.13 (package 1.11-1.14) and at the capture width none beats the package kernel; the page-id hints change
 nothing; TMA key pages are slower (1.07-1.20). TileLang's own time moved by up to 9% between runs here
 (1 x 32k: 4.96-5.44 us), as much as the gaps being closed.
 
