@@ -151,7 +151,26 @@ def _ended_by(res, code, log: list[str]) -> str:
         return "the guard's fail-fast"
     if code == -6 and any("watchdog" in line.lower() for line in log):
         return "NCCL's watchdog: a collective timed out, TORCH_NCCL_ASYNC_ERROR_HANDLING took the rank down (SIGABRT)"
+    if code is not None and code < 0:
+        why = [line.strip() for line in log if "what()" in line or "terminate" in line]
+        return f"{res.detail}: {why[-1][:220] if why else 'no message'}"
     return res.detail[:200]
+
+
+def _fatal_frame(faulthandler_text: str) -> str | None:
+    """Where the loop's thread was when the rank died of a fatal signal (faulthandler's dump)."""
+    if "Fatal Python error" not in faulthandler_text:
+        return None
+    import re
+
+    import pd_loop_harness as h
+
+    for block in faulthandler_text.split("\n\n"):
+        if "_run_loop" in block:  # innermost first; torch's frames and the trace's wrapper skipped
+            for frame in re.finditer(r'File "(.*)", line (\d+) in (\S+)', block):
+                if "/torch/" not in frame.group(1) and frame.group(3) != "traced":
+                    return f"{h._short(frame.group(1))}:{frame.group(2)} {frame.group(3)}"
+    return None
 
 
 def _verdict(ranks: list[dict], guard_on: bool) -> str:
@@ -161,9 +180,11 @@ def _verdict(ranks: list[dict], guard_on: bool) -> str:
     for status, verdict in (("desync", "silent desync"), ("failfast", "failfast")):
         if status in statuses:
             return verdict
-    if any(s in ("hang", "killed_by_watchdog") or r["ended_by"].startswith(("NCCL", "process died", "no answer"))
+    if any(s in ("hang", "killed_by_watchdog") or r["ended_by"].startswith(("NCCL", "no answer"))
            for s, r in zip(statuses, ranks)):
         return "hung"
+    if any(r["ended_by"].startswith("process died with signal") for r in ranks):
+        return "aborted"
     return "error"
 
 
@@ -175,11 +196,12 @@ def scenario_row(case, res: dict, seed: int, world: int, guard_on: bool, seconds
         r, info = per_rank[rank], stalls.get(rank, {})
         code = res["exits"].get(rank, (None, 0))[0]
         first = (info.get("stalls") or [None])[0]
+        fatal = _fatal_frame(info.get("faulthandler", ""))
         ranks.append({
             "status": r.status if r else "no answer",
             "ended_by": _ended_by(r, code, info.get("log", [])),
             "exit_code": code,
-            "located": first["where"] if first else None,
+            "located": first["where"] if first else (f"fatal signal: the loop was in {fatal}" if fatal else None),
             "stack": first["main_stack"][-6:] if first else [],
             "stall_after_s": first["idle_s"] if first else None,
             "nccl_not_completed": _unfinished(first["nccl_flight_recorder"]) if first else None,
@@ -295,6 +317,7 @@ def cost(args, forward, watch) -> dict:
     out["guard_to_forward_ratio"] = round(out["guard_us_per_iter"] / out["forward_us_per_iter"], 4)
     out["package_cost_us"] = round(out["us_per_iter_guard_on"] - out["us_per_iter_guard_off"], 1)
     out["package_cost_to_forward_ratio"] = round(out["package_cost_us"] / out["forward_us_per_iter"], 4)
+    print(json.dumps({"cost": {k: v for k, v in out.items() if k != "rounds"}}), flush=True)
     return out
 
 
@@ -374,23 +397,24 @@ def main() -> int:
                      "watchdog_stall_record": args.stall_s, "watchdog_kill": args.kill_s, "group_wall": args.wall_s},
         "rank_env": h.rank_env(forward, "<group dump folder>"),
     }
-    if "off" in parts:
-        out["guard_off"] = guard_off(args, forward, watch)
-    if "on" in parts:
-        out["guard_on"] = guard_on(args, forward, watch)
-    if "cost" in parts:
-        out["cost"] = cost(args, forward, watch)
-        print(json.dumps({"cost": {k: v for k, v in out["cost"].items() if k != "rounds"}}), flush=True)
+    for part, key, run in (("off", "guard_off", guard_off), ("on", "guard_on", guard_on), ("cost", "cost", cost)):
+        if part in parts:
+            out[key] = run(args, forward, watch)
+            write(args.out, out, started, load_start)  # a run cut short keeps the parts it finished
     shutil.rmtree(watch.dump_dir, ignore_errors=True)  # what it held is in the JSON now
+    print(json.dumps({"summary": out["summary"]}, indent=1), flush=True)
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+def write(path: Path | None, out: dict, started: float, load_start) -> None:
     out["summary"] = summary(out)
     out["seconds"] = round(time.monotonic() - started, 1)
     out["load_average_at_start"], out["load_average_at_end"] = load_start, os.getloadavg()
-    print(json.dumps({"summary": out["summary"]}, indent=1), flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=1, default=str) + "\n")
-        print(f"wrote {args.out}")
-    return 0
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1, default=str) + "\n")
 
 
 def summary(out: dict) -> dict:

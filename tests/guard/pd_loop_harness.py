@@ -1282,8 +1282,8 @@ _RANK_FILES: list = []  # this rank's open stack file, kept alive for faulthandl
 
 def _record_rank_output(rank: int, dump_dir: str) -> None:
     """With a watchdog: this rank's stderr (NCCL's and torch's watchdog messages) into ``rank<R>.log``,
-    and SIGUSR1 dumping every thread's stack into ``rank<R>_stacks.txt`` (the parent's last look at
-    a rank it is about to kill; faulthandler writes without needing the interpreter lock)."""
+    and every thread's stack into ``rank<R>_stacks.txt`` on a fatal signal and on SIGUSR1 (the
+    parent's last look at a rank it is about to kill); faulthandler writes without the interpreter lock."""
     import faulthandler
     import signal
 
@@ -1293,6 +1293,7 @@ def _record_rank_output(rank: int, dump_dir: str) -> None:
     stacks = open(f"{dump_dir}/rank{rank}_stacks.txt", "a")  # noqa: SIM115 - lives as long as the rank
     _RANK_FILES.append(stacks)
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    faulthandler.enable(file=stacks, all_threads=True)  # and on a fatal signal (an abort in gloo or NCCL)
 
 
 def _worker(rank, world, port, timeout_s, ipc_dir, jobs, conn, env, forward=ForwardSpec(), watch=None,
@@ -1407,7 +1408,8 @@ def _died(rank: int, code: int) -> RankResult:
     return RankResult(rank, "error", f"process died with {how}")
 
 
-LOG_LINES = ("watchdog", "timed out", "timeout", "desync", "nccl warn", "error", "abort")
+LOG_LINES = ("watchdog", "timed out", "timeout", "desync", "nccl warn", "error", "abort", "terminate", "what()",
+             "enforce", "fatal python error")
 
 
 def read_stalls(dump_dir: str, world: int) -> dict:
