@@ -45,8 +45,8 @@ call, at the commit to run:
      ``python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
      -d .devcarry/guard_nccl/wheels setproctitle==1.3.8 uvicorn==0.54.0 fastapi==0.165.0
-     opentelemetry-api==1.45.2`` (found by importing the chain with only the image's packages, H1's
-     and these visible);
+     opentelemetry-api==1.45.2`` (found by importing the chain on this CPU machine with only the
+     image's packages, H1's and these visible; a CUDA host may import more: ``--standins`` below);
   3. ``run`` with ``kind="nvidia-h200-x2"``, ``carry=[".devcarry/topk", ".devcarry/guard_nccl"]``,
      ``timeout_s=600`` and the command (COMMIT = ``git rev-parse HEAD`` here)::
 
@@ -61,8 +61,16 @@ call, at the commit to run:
      then commit the JSON (and the log) under ``bench/results/``. ``--standins`` serves
      ``sgl_kernel`` and ``deep_gemm`` (not loadable on torch 2.11, never called by the harness) with
      H1's raising stand-ins (``tests/kernels/topk_standins.py``), and any other module the chain
-     misses there likewise, each named in the JSON's ``standins``; pyzmq is never stood in. Expected
-     duration: about 4-6 minutes (each group's ranks import sglang; 20 guard-off groups, 4 at a time).
+     misses there likewise, each named in the JSON's ``standins``; pyzmq is never stood in. Duration,
+     estimated (never run there): 4-6 minutes (each group's ranks import sglang; 20 guard-off groups,
+     4 at a time). If 600 s do not suffice, the JSON holds the parts that finished; run the rest with
+     ``--parts on,cost`` (or ``--cases``) in a second call and commit both files.
+
+Rehearsed here as far as a CPU allows: the whole run on gloo (the JSON above), and the device's
+software layout (``python -S`` with only the image's packages, H1's carry and these wheels on the
+path, ``--start spawn --standins``): the spawned ranks import the trimmed pin and run the loops.
+Not rehearsable here: NCCL itself, torch 2.11 (the venv has the pin's torch 2.14.1), a CUDA host's
+import chain.
 """
 
 from __future__ import annotations
@@ -307,6 +315,11 @@ def cost(args, forward, watch) -> dict:
 
     out = {"scenario": f"steady_decode: {args.batch} requests decoding, {args.iters} iterations per round, "
                        f"{args.rounds} off/on round pairs",
+           "method": "medians over rounds; us_per_iter: the slowest rank's loop time per iteration; guard_us_per_iter: "
+                     "time inside the guard's agreements per iteration (median over ranks), waiting there for the "
+                     "slower rank included (an agreement is a barrier); forward_us_per_iter: the stand-in's "
+                     "collectives per iteration (NCCL: their GPU time by CUDA events; gloo: wall time); "
+                     "package_cost_us: guard-on minus guard-off us_per_iter, machine noise included",
            "us_per_iter_guard_off": med("0", "us_per_iter"), "us_per_iter_guard_on": med("1", "us_per_iter"),
            "guard_us_per_iter": med("1", "guard_us_per_iter"),
            "forward_us_per_iter": med("1", "forward_us_per_iter"),
