@@ -410,15 +410,8 @@ def reference(q, pool, w, sl, pt, width, rows):
 
 
 def check_against(out, idx, ref, sl):
-    """rel err vs the float64 reference, top-512 identical, every live column written, nothing past a length."""
-    got = out[idx]
-    live = torch.isfinite(ref)
-    err = float((got[live] - ref[live]).norm() / ref[live].norm())
-    same = all(set(torch.topk(got[i, :n], min(TOPK, n)).indices.tolist())
-               == set(torch.topk(ref[i, :n], min(TOPK, n)).indices.tolist())
-               for i, n in enumerate(sl[idx].tolist()))
-    return {"rel_err": err, "top512_identical": same, "live_all_written": not bool(got[live].isnan().any()),
-            "past_length_untouched": bool(got[~live].isnan().all())}
+    """bench/indexer_h200's agreement checks on the sampled rows ``idx`` of ``out``."""
+    return ih.agreement(out[idx], ref, sl[idx])
 
 
 def time_shape(peer, pool, draws, sl, width, configs, rounds):

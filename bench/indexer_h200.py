@@ -228,12 +228,17 @@ def check_rows(out, q, pages, w, sl, pt, width, rows):
     """rel err against the float64 reference on sampled rows, top-512 identical, nothing written past a length."""
     idx = torch.as_tensor(rows, device=DEV)
     ref = paged_mqa_logits_ref(q[idx], pages, w[idx], sl[idx], pt[idx], width, dtype=torch.float64, rows_per_chunk=1)
-    got = out[idx]
+    return agreement(out[idx], ref, sl[idx])
+
+
+def agreement(got, ref, lens):
+    """rel err of ``got`` against the float64 reference ``ref`` (-inf past each row's length, ``lens``),
+    top-512 identical, every live column written, nothing written past a length (``got`` starts NaN)."""
     live = torch.isfinite(ref)
     err = float((got[live] - ref[live]).norm() / ref[live].norm())
     same = all(set(torch.topk(got[i, :n], min(TOPK, n)).indices.tolist())
                == set(torch.topk(ref[i, :n], min(TOPK, n)).indices.tolist())
-               for i, n in enumerate(sl[idx].tolist()))
+               for i, n in enumerate(lens.tolist()))
     return {"rel_err": err, "top512_identical": same, "live_all_written": not bool(got[live].isnan().any()),
             "past_length_untouched": bool(got[~live].isnan().all())}
 
