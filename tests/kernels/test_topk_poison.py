@@ -19,15 +19,18 @@ What runs where:
   contract, so what is tested there is upstream's masking around it.
 - On a CUDA host (marker ``gpu``), the pin's real CUDA top-k kernels: ``sgl-kernel`` v1 / v2 (sglang's
   JIT kernels ``kernels/jit/csrc/deepseek_v4/topk_v1.cuh`` / ``topk_v2.cuh``, built through tvm-ffi and
-  nvcc at first use; v2 with upstream's ``plan_topk_v2`` plan), and flashinfer's unfused ``top_k`` and
-  fused ``top_k_page_table_transform`` (``SGLANG_DSA_FUSE_TOPK``), flashinfer JIT kernels. On the lent
-  H200 (sm_90) ``bench/topk_poison_h200.sh`` runs them and logs the JIT compile times. That image has
-  no sglang: the script carries the
-  pinned sglang 0.5.23 and flashinfer-python 0.7.2 there, trimmed to the import chain and the JIT
-  sources. Two packages sglang imports at module level on a CUDA host cannot load there and are
-  replaced by the stand-ins of ``topk_standins.py`` when missing (and only then): ``sgl_kernel``
-  (1.2 GB of ahead-of-time ops built for torch 2.14; the image has 2.11) and ``deep_gemm`` (likewise
-  a prebuilt extension for another torch). No top-k transform calls either; a stand-in raises if called.
+  nvcc at first use; v2 with upstream's ``plan_topk_v2`` plan) and flashinfer's unfused ``top_k`` and
+  fused ``top_k_page_table_transform`` (``SGLANG_DSA_FUSE_TOPK``). All 16 (4 backends x 2 poisons, and
+  the controls) passed on the lent H200 (sm_90, torch 2.11, python 3.12):
+  ``bench/results/topk_poison_h200_2026-12-01.txt``, run by ``bench/topk_poison_h200.sh``. That image
+  has no sglang or flashinfer, so the script carries the pinned sglang 0.5.23 and flashinfer-python
+  0.7.2 there, trimmed to the import chain and the kernel sources; sglang's modules compile there, while
+  flashinfer's top-k module (tens of CPU-minutes of nvcc) is built ahead of time on the CPU host by
+  flashinfer's own JIT with the same nvcc 13.0 and loaded from flashinfer's ahead-of-time path. Two
+  packages sglang imports at module level on a CUDA host cannot load there and are replaced by the
+  stand-ins of ``topk_standins.py`` when missing (and only then): ``sgl_kernel`` (1.2 GB of prebuilt ops
+  for torch 2.14; the image has 2.11) and ``deep_gemm`` (likewise a prebuilt extension for another
+  torch). No top-k transform calls either; a stand-in raises if called.
 """
 
 from __future__ import annotations
