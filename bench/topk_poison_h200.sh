@@ -24,7 +24,7 @@
 # device run sets FLASHINFER_DISABLE_JIT=1, so a build that failed to load there fails fast instead of
 # recompiling. sglang's three top-k modules (v1, the cluster-occupancy probe, v2) compile on the device.
 #
-#   aot    (here, once, ~30 min on 2 cores): bash bench/topk_poison_h200.sh aot  -> .devcarry/topk_aot/
+#   aot    (here, once; 1649 s on 2 cores): bash bench/topk_poison_h200.sh aot  -> .devcarry/topk_aot/
 #   pack   (here):    bash bench/topk_poison_h200.sh pack
 #   device (H200, run tool with carry [".devcarry/topk"]):
 #                     COMMIT=<git rev-parse HEAD here> bash bench/topk_poison_h200.sh device
