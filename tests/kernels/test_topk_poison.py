@@ -158,21 +158,21 @@ def test_cpu_check_catches_poison_inside_the_length(cpu_scores, cpu_kind, poison
     _check_live_tail_matters(cpu_scores, cpu_kind, POISONS[poison])
 
 
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="CUDA JIT kernels of the pin (sglang + CUDA host)")
+def on_the_pins_cuda_kernels(test):
+    """Every CUDA backend x poison, on a CUDA host with the pin's kernels only (marker ``gpu``)."""
+    for mark in (pytest.mark.parametrize("cuda_kind", CUDA_KINDS, indirect=True),
+                 pytest.mark.parametrize("poison", POISONS),
+                 pytest.mark.skipif(not HAS_CUDA, reason="CUDA JIT kernels of the pin (sglang + CUDA host)"),
+                 pytest.mark.gpu):
+        test = mark(test)
+    return test
 
 
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("poison", POISONS)
-@pytest.mark.parametrize("cuda_kind", CUDA_KINDS, indirect=True)
+@on_the_pins_cuda_kernels
 def test_cuda_transforms_ignore_logits_past_the_length(cuda_kind, cuda_scores, poison):
     _check_past_length(cuda_scores, cuda_kind, POISONS[poison])
 
 
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("poison", POISONS)
-@pytest.mark.parametrize("cuda_kind", CUDA_KINDS, indirect=True)
+@on_the_pins_cuda_kernels
 def test_cuda_check_catches_poison_inside_the_length(cuda_kind, cuda_scores, poison):
     _check_live_tail_matters(cuda_scores, cuda_kind, POISONS[poison])
-
