@@ -46,19 +46,27 @@ def test_the_forward_is_shaped_by_the_pins_config_and_every_rank_keeps_multicast
 def test_guard_off_the_hang_is_located_per_rank_and_the_watchdog_ends_it(tmp_path):
     """Guard switched off: rank 0 waits in the forward group's first all-reduce, rank 1 in the
     scheduler group's request broadcast (the incident's wedge: two groups at once). Each rank's
-    watchdog records where it is (the collective, its group, the stack) and ends it."""
+    watchdog records where it is (the collective, its group, the stack), and the hang is ended."""
     sc = H.at_point(*CASE)
     watch = H.Watch(str(tmp_path), stall_s=2.0, kill_s=6.0)
     res = H.run_group(2, [(sc, "patched", {"DSV4_SM120_COLLECTIVE_GUARD": "0"})], timeout_s=120, wall_s=90,
                       forward=_forward(), watch=watch)
-    assert [r.status for r in res[sc.seed]] == ["killed_by_watchdog"] * 2, res[sc.seed]
-    assert [code for code, _ in res["exits"].values()] == [H.WATCHDOG_EXIT] * 2
-    first = {rank: info["stalls"][0] for rank, info in res["stalls"].items()}
-    assert all(info["stalls"][-1]["killed"] for info in res["stalls"].values())
-    assert first[0]["where"].startswith(FORWARD) and first[0]["forward_pending"][0]["op"] == "all_reduce"
-    assert any("_run_batch" in frame for frame in first[0]["main_stack"])
-    assert first[1]["where"].startswith(f"{SCHEDULER}: broadcast")
-    assert any("broadcast_pyobj" in frame for frame in first[1]["main_stack"])
+    # Each rank's watchdog ends it kill_s after its own stall. The rank ended first closes its gloo
+    # sockets, so the other one's pending collective may fail with the peer gone before its own
+    # watchdog fires (on a loaded machine the two deadlines drift apart): it then ends "error".
+    # Both have recorded where they hung: the stall record comes kill_s - stall_s before the kill. The
+    # last record is the one read (a rank slowed by load past stall_s mid-iteration records once more).
+    statuses = [r.status for r in res[sc.seed]]
+    assert "killed_by_watchdog" in statuses and set(statuses) <= {"killed_by_watchdog", "error"}, res[sc.seed]
+    for rank, status in enumerate(statuses):
+        if status == "killed_by_watchdog":
+            assert res["exits"][rank][0] == H.WATCHDOG_EXIT and res["stalls"][rank]["stalls"][-1]["killed"]
+    hung = {rank: info["stalls"][-1] for rank, info in res["stalls"].items() if info["stalls"]}
+    assert sorted(hung) == [0, 1], res["stalls"]
+    assert hung[0]["where"].startswith(FORWARD) and hung[0]["forward_pending"][0]["op"] == "all_reduce"
+    assert any("_run_batch" in frame for frame in hung[0]["main_stack"])
+    assert hung[1]["where"].startswith(f"{SCHEDULER}: broadcast")
+    assert any("broadcast_pyobj" in frame for frame in hung[1]["main_stack"])
     for info in res["stalls"].values():  # every thread's stack, from faulthandler
         assert info["faulthandler"].count("most recent call first") >= 2  # the loop's thread and the watchdog's
     assert "_run_batch" in res["stalls"][0]["faulthandler"]
