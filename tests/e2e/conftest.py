@@ -40,6 +40,17 @@ def _in_e2e(item) -> bool:
     return item is not None and E2E_DIR in Path(item.path).parents
 
 
+SHARED_SET_TIMEOUT_S = 1200  # pytest-timeout for a test on the shared default PD set (``pd``)
+
+
+def pytest_collection_modifyitems(items):
+    """A test on the shared default set may be the session's first: it then also builds the wheel's
+    environment and starts the set (600 s ran out on a loaded 2-core machine). Its own timeout wins."""
+    for item in items:
+        if _in_e2e(item) and "pd" in getattr(item, "fixturenames", ()) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SHARED_SET_TIMEOUT_S))
+
+
 def _root(tmp_path_factory) -> Path:
     if not _ROOT:
         _ROOT.append(tmp_path_factory.mktemp("e2e"))

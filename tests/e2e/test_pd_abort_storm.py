@@ -18,9 +18,6 @@ import pytest
 import results
 from storm import run_and_check
 
-# The first test of a session also builds the wheel's environment and starts the shared PD set.
-pytestmark = pytest.mark.timeout(1200)
-
 
 def test_abort_storm_through_the_router_recovers_and_leaks_nothing(pd, e2e_env, tmp_path, record):
     run_and_check(e2e_env, pd, tmp_path, record, fix=results.suite_fix())

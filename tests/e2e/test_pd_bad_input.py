@@ -14,15 +14,10 @@ import socket
 import time
 from urllib.parse import urlparse
 
-import pytest
-
 import checks
 import results
 from cluster import chat
 from servers import http
-
-# The first test of a session also builds the wheel's environment and starts the shared PD set.
-pytestmark = pytest.mark.timeout(1200)
 
 
 def _chat_body(**extra) -> dict:

@@ -9,11 +9,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
-# The first test of a session also builds the wheel's environment and starts the shared PD set.
-pytestmark = pytest.mark.timeout(1200)
-
 
 def test_toolcall_check_on_a_random_model_is_inconclusive(pd, e2e_env, tmp_path, record):
     out = tmp_path / "toolcall.json"

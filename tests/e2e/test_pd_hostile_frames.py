@@ -14,16 +14,11 @@ from __future__ import annotations
 import random
 import time
 
-import pytest
-
 import checks
 import results
 import hostile
 import scrape
 from traffic import Traffic, burst
-
-# The first test of a session also builds the wheel's environment and starts the shared PD set.
-pytestmark = pytest.mark.timeout(1200)
 
 EXPECTED_REJECTS = {  # reason label -> at least this many (per rank)
     "unknown tag": 2,
