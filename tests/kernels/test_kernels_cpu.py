@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import D, PAGE, compress_plan, decode_plan, freqs_cis, heavy_tailed, logits_case, topk_sets
+from helpers import D, PAGE, check_logits, compress_plan, decode_plan, freqs_cis, heavy_tailed, logits_case, topk_sets
 
 
 def _gen(seed=0):
@@ -123,19 +123,11 @@ def _logits_both(kern, q, w, pages, sl, pt, max_len, **kw):
     return out, ref
 
 
-def _check_logits(out, ref, lens):
-    live = torch.isfinite(ref)  # the reference is -inf exactly past each row's length
-    assert not out[live].isnan().any(), "every live element written"
-    assert out[~live].isnan().all(), "nothing written past a row's length (the NaN poison is intact)"
-    assert ((out[live] - ref[live]).norm() / ref[live].norm()) < 1e-5
-    assert topk_sets(out, lens) == topk_sets(ref, lens)
-
-
 @pytest.mark.parametrize("splits,min_tiles", [(3, 1), (1, 4), (None, 4), (40, 1)])
 def test_logits_ragged_lengths_and_page_boundaries(kern, splits, min_tiles):
     q, w, pages, sl, pt = logits_case(LENS, 16, _gen(5))
     out, ref = _logits_both(kern, q, w, pages, sl, pt, 704, splits=splits, min_tiles=min_tiles)
-    _check_logits(out, ref, LENS)
+    check_logits(out, ref, LENS)
 
 
 def test_logits_at_capture_width_touch_only_live_keys(kern):
@@ -144,21 +136,21 @@ def test_logits_at_capture_width_touch_only_live_keys(kern):
     q, w, pages, sl, pt = logits_case(lens, 16, _gen(11), extra_pages=0)
     pt = torch.cat([pt, torch.full((2, 256 - pt.shape[1]), 10**6, dtype=torch.int32)], 1)  # unused pages: absurd ids
     out, ref = _logits_both(kern, q, w, pages, sl, pt, 16384)
-    _check_logits(out, ref, lens)
+    check_logits(out, ref, lens)
 
 
 def test_logits_width_not_a_multiple_of_the_page(kern):
     lens = [5, 130]
     q, w, pages, sl, pt = logits_case(lens, 16, _gen(6))
     out, ref = _logits_both(kern, q, w, pages, sl, pt, 131)
-    _check_logits(out, ref, lens)
+    check_logits(out, ref, lens)
 
 
 def test_logits_64k_plus_keys(kern):
     lens = [65601]
     q, w, pages, sl, pt = logits_case(lens, 16, _gen(7), extra_pages=0)
     out, ref = _logits_both(kern, q, w, pages, sl, pt, 65601)
-    _check_logits(out, ref, lens)
+    check_logits(out, ref, lens)
 
 
 def test_logits_top512_on_heavy_tailed_data(kern):
@@ -196,7 +188,7 @@ def _prefill_case(gen, n=70, heads=16, boundary=37, odd_row=41):
 def test_logits_prefill_rows_per_program_match_one_row(kern, rows_per_program):
     q, w, pages, sl, pt, lens = _prefill_case(_gen(12))
     out, ref = _logits_both(kern, q, w, pages, sl, pt, 128, rows_per_program=rows_per_program)
-    _check_logits(out, ref, lens)
+    check_logits(out, ref, lens)
     one, _ = _logits_both(kern, q, w, pages, sl, pt, 128, rows_per_program=1)
     live = torch.isfinite(ref)
     assert ((out[live] - one[live]).norm() / one[live].norm()) < 1e-6
@@ -217,7 +209,7 @@ def test_logits_prefill_path_is_the_default_from_prefill_rows(kern, monkeypatch)
 
     monkeypatch.setattr(kern.mqa_logits, "_logits_kernel", Spy())
     out, ref = _logits_both(kern, q, w, pages, sl, pt, 64)
-    _check_logits(out, ref, lens)
+    check_logits(out, ref, lens)
     assert calls == [((4, 1), kern.mqa_logits.ROWS_PER_PROGRAM)]
 
 
@@ -228,7 +220,7 @@ def test_logits_decode_load_order_variants_agree(kern, early_q, page_hint, strid
     q, w, pages, sl, pt = logits_case(LENS, 16, _gen(14))
     out, ref = _logits_both(kern, q, w, pages, sl, pt, 704, early_q=early_q, page_hint=page_hint, strided=strided,
                             splits=splits, min_tiles=min_tiles)
-    _check_logits(out, ref, LENS)
+    check_logits(out, ref, LENS)
 
 
 def test_decode_splits_fill_whole_waves(kern):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import logits_case, topk_sets
+from helpers import check_logits, logits_case
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,4 @@ def test_candidate_matches_reference(kern, bench, width, lens, launch):
     else:
         bench.candidate_logits(q, pages, w, sl, pt, width, out=out, splits=2, **launch)
     ref = kern.mqa_logits.paged_mqa_logits_ref(q, pages, w, sl, pt, width, dtype=torch.float64)
-    live = torch.isfinite(ref)
-    assert not out[live].isnan().any(), "every live element written"
-    assert out[~live].isnan().all(), "a candidate wrote at or past a row's length"
-    assert ((out[live] - ref[live]).norm() / ref[live].norm()) < 1e-5
-    assert topk_sets(out, lens) == topk_sets(ref, lens)
+    check_logits(out, ref, lens)
