@@ -94,15 +94,15 @@ GUARD_SWITCH = "DSV4_SM120_COLLECTIVE_GUARD"
 NEVER_STOOD_IN = ("sglang", "dsv4_sm120", "torch", "zmq")  # the harness runs these for real
 
 
-def _install_standins(names) -> None:
+def _topk_standins():
     sys.path.insert(0, str(ROOT / "tests" / "kernels"))
     import topk_standins
 
-    topk_standins.install_missing(tuple(names))
+    return topk_standins
 
 
 if os.environ.get(STANDINS_ENV):  # a spawned rank of a --standins run: the same stand-ins as its parent
-    _install_standins(os.environ[STANDINS_ENV].split(","))
+    _topk_standins().install_missing(tuple(os.environ[STANDINS_ENV].split(",")))
 
 
 def _import_chain() -> None:
@@ -119,9 +119,7 @@ def _import_chain() -> None:
 
 def standins_for_missing() -> list[str]:
     """Stand in ``sgl_kernel``/``deep_gemm`` when missing, then whatever else the chain's import misses."""
-    sys.path.insert(0, str(ROOT / "tests" / "kernels"))
-    import topk_standins
-
+    topk_standins = _topk_standins()
     named = list(topk_standins.install_missing())
     for _ in range(30):
         try:
@@ -203,16 +201,16 @@ def scenario_row(case, res: dict, seed: int, world: int, guard_on: bool, seconds
     for rank in range(world):
         r, info = per_rank[rank], stalls.get(rank, {})
         code = res["exits"].get(rank, (None, 0))[0]
-        first = (info.get("stalls") or [None])[0]
+        hung = info.get("hung")
         fatal = _fatal_frame(info.get("faulthandler", ""))
         ranks.append({
             "status": r.status if r else "no answer",
             "ended_by": _ended_by(r, code, info.get("log", [])),
             "exit_code": code,
-            "located": first["where"] if first else (f"fatal signal: the loop was in {fatal}" if fatal else None),
-            "stack": first["main_stack"][-6:] if first else [],
-            "stall_after_s": first["idle_s"] if first else None,
-            "nccl_not_completed": _unfinished(first["nccl_flight_recorder"]) if first else None,
+            "located": hung["where"] if hung else (f"fatal signal: the loop was in {fatal}" if fatal else None),
+            "stack": hung["main_stack"][-6:] if hung else [],
+            "stall_after_s": info["stalls"][0]["idle_s"] if hung else None,  # when the watchdog first saw it
+            "nccl_not_completed": _unfinished(hung["nccl_flight_recorder"]) if hung else None,
             "nccl_dump_on_timeout": _unfinished(info.get("nccl_dump_on_timeout")),
             "log": [line for line in info.get("log", []) if "dsv4-sm120 guard" not in line][:6],
             "guard_log": [line for line in info.get("log", []) if "dsv4-sm120 guard" in line][:3],

@@ -1070,7 +1070,6 @@ class Harness:
                           injected=len(self.fired), forward_seconds=self.forward_seconds,
                           forward_ops=self.forward_ops)
 
-
     def _ended(self, status: str, detail: str) -> RankResult:
         """A loop that raised: what this rank got through before."""
         return RankResult(self.rank, status, detail, iters=self.iteration, forward_ops=self.forward_ops,
@@ -1415,7 +1414,9 @@ LOG_LINES = ("watchdog", "timed out", "timeout", "desync", "nccl warn", "error",
 def read_stalls(dump_dir: str, world: int) -> dict:
     """Per rank, what the group's dump folder holds: the watchdog's stall records (in order), the rank's
     log lines about timeouts, watchdogs and errors (NCCL's and torch's), NCCL's own flight-recorder
-    dump on timeout, and the start of its faulthandler stack dumps (the first stall)."""
+    dump on timeout, and the start of its faulthandler stack dumps (the first stall). ``hung`` is the
+    record that locates the hang: the last one (an earlier one can be a rank slowed past ``stall_s``
+    by a loaded machine, mid-iteration)."""
     import glob
     import json
     import re
@@ -1432,7 +1433,7 @@ def read_stalls(dump_dir: str, world: int) -> dict:
             log = [ln[:400] for ln in lines if any(w in ln.lower() for w in LOG_LINES)][-20:]
         fr = f"{dump_dir}/nccl_fr_rank{rank}"
         stacks = f"{dump_dir}/rank{rank}_stacks.txt"
-        out[rank] = {"stalls": stalls, "log": log,
+        out[rank] = {"stalls": stalls, "hung": stalls[-1] if stalls else None, "log": log,
                      "nccl_dump_on_timeout": _nccl_flight_recorder(open(fr, "rb").read()) if os.path.exists(fr) else None,
                      "faulthandler": open(stacks).read()[:8000] if os.path.exists(stacks) else ""}
     return out
