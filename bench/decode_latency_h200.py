@@ -248,20 +248,6 @@ def configs_for(b, live, width, verify=False):
     return cfg
 
 
-class TileLangPeer:
-    """upstream's TileLang fp8 kernel on the same keys (fp8 pages from bench/indexer_h200.fp8_pool) and queries
-    (per-head e4m3 rows, the row scale folded into the head weights, as upstream quantises them)."""
-
-    def __init__(self, fn, pool8):
-        self.fn, self.pool8 = fn, pool8
-
-    def bind(self, q, w, sl, pt, width):
-        """The kernel's call on these inputs as a no-argument function (quantising q is outside it)."""
-        q8, qs = ih.fp8_rows(q)
-        q8, w8 = q8.unsqueeze(1).contiguous(), (w * qs).contiguous()
-        return lambda: self.fn(q8, self.pool8, w8, sl, pt, None, width, False)
-
-
 # All-page-0 tables of the diag_l2 launcher, held for the whole run: a captured graph reads the table by address,
 # so it must outlive the launcher that made it (held only by that closure, it was freed and its memory reused
 # while the graphs of the 04edcfe / 0256c10 / 6aafe7e runs still read it: the illegal accesses of those runs).
@@ -546,7 +532,7 @@ def main():
     result["tilelang"] = {"loaded": fn is not None, "why_not": why_not, "file": args.tilelang}
     pool_pages = max(max(DECODE_B) * max(DECODE_LIVE) // PAGE, 8 * math.ceil(WIDTH / PAGE))
     pool = torch.randn((pool_pages, PAGE, D), generator=gen, device=dev).to(torch.bfloat16)
-    peer = TileLangPeer(fn, ih.fp8_pool(pool)) if fn is not None else None
+    peer = ih.Fp8Peer(fn, ih.fp8_pool(pool)) if fn is not None else None  # upstream's TileLang kernel
     result["ragged"] = ragged_checks(pool, gen, dev, args.dry_cpu, excluded)
     bad = [r for r in result["ragged"] if "error" in r or not _passes(r)]
     print(f"ragged: {len(result['ragged'])} checks, {len(bad)} failing {bad[:3]}", flush=True)
