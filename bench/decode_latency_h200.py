@@ -16,7 +16,8 @@ kernels defined here, which differ from it only in how a short program starts:
 * ``tma``: the package's pipelined loop with each 16 KiB key page moved by one Hopper TMA copy (host
   tensor descriptors), the queries by TMA too (``qld``: plain loads); ``sK``: K pipeline stages;
 * ``w8``: 8 warps instead of 4; ``sN`` (N >= 16): N programs per row instead of the wave-filling choice;
-* ``diag_*``: diagnostics, not candidates (see ``configs_for``).
+* ``diag_*``: diagnostics, not candidates (see ``configs_for``); ``diag_floor``: bench/read_floor_h200.py's
+  read floors (the same pages read, nothing scored), bf16 and fp8 pages, Triton and Hopper bulk copies.
 
 Results (bench/results/indexer_h200_2026-12-01_tiny_bb0eeb3.json, ..._6aafe7e_tma.json): ``short`` reaches
 0.96 of TileLang at 1 x 4k / width 4k (package 1.02); at 512 pages (1 x 32k, 8 x 4k) the best candidate is
@@ -48,6 +49,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _gpu_common as g  # noqa: E402  (also puts src/ on sys.path)
 import indexer_h200 as ih  # noqa: E402
+import read_floor_h200 as rf  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -233,6 +235,8 @@ def configs_for(b, live, width, verify=False):
            "tma_w8": ("tma", dict(num_warps=8)),
            "tma_qld": ("tma", dict(q_tma=False)),
            "tma_s4": ("tma", dict(num_stages=4))}
+    if FLOORS["on"] and not verify:
+        cfg.update({n: ("diag_floor", kw) for n, kw in rf.floor_configs(b, live, width, bulk=FLOORS["bulk"]).items()})
     if verify or (b, live) not in TINY:
         return cfg
     cfg.update({"short_w8": ("candidate", dict(hint_tiles=2, short=True, num_warps=8)),
@@ -252,6 +256,28 @@ def configs_for(b, live, width, verify=False):
 # so it must outlive the launcher that made it (held only by that closure, it was freed and its memory reused
 # while the graphs of the 04edcfe / 0256c10 / 6aafe7e runs still read it: the illegal accesses of those runs).
 _ZERO_TABLES: dict = {}
+FLOORS = {"on": False, "bulk": False}
+_FP8_POOLS: dict = {}  # bf16 pool's address -> the same keys in upstream's fp8 pages (the TileLang peer's pool)
+_BULK: list = []
+
+
+def floor_launcher(kw, pool):
+    """A read floor over the bf16 pool's pages or over the same pages in fp8 (see bench/read_floor_h200.py)."""
+    kw = dict(kw)
+    impl, pb = kw.pop("impl"), kw["page_bytes"]
+    if pb == rf.FP8_PAGE_BYTES:
+        if pool.data_ptr() not in _FP8_POOLS:  # made on the eager check call, never inside a graph capture
+            _FP8_POOLS[pool.data_ptr()] = ih.fp8_pool(pool)
+        src = _FP8_POOLS[pool.data_ptr()]
+    else:
+        src = pool
+    flat = src.view(torch.uint8).reshape(src.shape[0], pb)
+    if impl == "triton":
+        words = flat.view(torch.int32)
+        return lambda q, w, sl, pt, out: rf.triton_read(words, pt, sl, out, pt.shape[1] * PAGE, **kw)
+    if not _BULK:
+        _BULK.append(rf.BulkReader())
+    return lambda q, w, sl, pt, out: _BULK[0](flat, pt, sl, out, pt.shape[1] * PAGE, **kw)
 
 
 def launcher(kind, kw, pool, width):
@@ -259,6 +285,8 @@ def launcher(kind, kw, pool, width):
         return lambda q, w, sl, pt, out: ml.bf16_paged_mqa_logits(q, pool, w, sl, pt, width, out=out, **kw)
     if kind == "tma":
         return lambda q, w, sl, pt, out: tma_logits(q, pool, w, sl, pt, width, out=out, **kw)
+    if kind == "diag_floor":
+        return floor_launcher(kw, pool)
     if kind == "diag_h32":
         return lambda q, w, sl, pt, out: ml.bf16_paged_mqa_logits(q[:, :32], pool, w[:, :32], sl, pt, width, out=out)
     if kind == "diag_l2":
@@ -494,6 +522,7 @@ def main():
                     help="configuration kinds to run (comma-separated); the others are left out")
     ap.add_argument("--preflight", action="store_true",
                     help="first replay each kind's graphs in its own process; a kind that faults is left out")
+    ap.add_argument("--no-bulk-floor", action="store_true", help="diag_floor without the CUDA bulk-copy floors")
     ap.add_argument("--only-tiny", action="store_true", help="only the six tiny decode pairs")
     ap.add_argument("--dry-cpu", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
     args = ap.parse_args()
@@ -516,6 +545,7 @@ def main():
         "independent page draws (>= 512 MiB of keys a replay), every configuration and upstream's TileLang fp8 "
         "kernel once per round in turn, the median of the rounds; checks on draw 0 against the float64 reference")}
     t_start = time.time()
+    FLOORS.update(on="diag_floor" in args.kinds.split(","), bulk=not args.dry_cpu and not args.no_bulk_floor)
     if args.warm and not args.dry_cpu:
         try:
             result["warm"] = warm(args.warm, args.tilelang)
@@ -523,7 +553,7 @@ def main():
             result["warm"] = {"error": f"{type(exc).__name__}: {str(exc)[-400:]}"}
             print("warm failed:", result["warm"], flush=True)
     kinds = args.kinds.split(",")
-    excluded = {"package", "candidate", "tma", "diag_h32", "diag_l2"} - set(kinds)
+    excluded = {"package", "candidate", "tma", "diag_h32", "diag_l2", "diag_floor"} - set(kinds)
     result["kinds"] = kinds
     if args.preflight and not args.dry_cpu:
         result["preflight"] = preflight(kinds)
@@ -533,6 +563,8 @@ def main():
     pool_pages = max(max(DECODE_B) * max(DECODE_LIVE) // PAGE, 8 * math.ceil(WIDTH / PAGE))
     pool = torch.randn((pool_pages, PAGE, D), generator=gen, device=dev).to(torch.bfloat16)
     peer = ih.Fp8Peer(fn, ih.fp8_pool(pool)) if fn is not None else None  # upstream's TileLang kernel
+    if peer is not None:
+        _FP8_POOLS[pool.data_ptr()] = peer.pool8
     result["ragged"] = ragged_checks(pool, gen, dev, args.dry_cpu, excluded)
     bad = [r for r in result["ragged"] if "error" in r or not _passes(r)]
     print(f"ragged: {len(result['ragged'])} checks, {len(bad)} failing {bad[:3]}", flush=True)
