@@ -15,6 +15,7 @@ kernels defined here, which differ from it only in how a short program starts:
 * ``qin``: the queries are loaded after the length (short programs: after their key loads), not before;
 * ``tma``: the package's pipelined loop with each 16 KiB key page moved by one Hopper TMA copy (host
   tensor descriptors), the queries by TMA too (``qld``: plain loads); ``sK``: K pipeline stages;
+* ``half``: the strided split over half pages (32 keys a tile), twice the programs for rows of few pages;
 * ``w8``: 8 warps instead of 4; ``sN`` (N >= 16): N programs per row instead of the wave-filling choice;
 * ``diag_*``: diagnostics, not candidates (see ``configs_for``); ``diag_floor``: bench/read_floor_h200.py's
   read floors (the same pages read, nothing scored), bf16 and fp8 pages, Triton and Hopper bulk copies.
@@ -63,6 +64,8 @@ TINY = ((1, 4096), (1, 32768), (8, 4096))
 # programs per row tried beside the wave-filling choice (64 / 264 / 33 there): TileLang's split (64 / 256 / 32
 # programs a row: 1 / 2 / 2 tiles each) and half as many programs (fewer copies of the row's queries)
 SPLIT_VARIANTS = {(1, 4096): (32,), (1, 32768): (128, 256), (8, 4096): (16, 32)}
+# programs per row of the half-page candidate (twice the package's choice, and as many as the halves / 2 / 4)
+HALF_SPLITS = {(1, 4096): (128, 64), (1, 32768): (528, 264, 132), (8, 4096): (66, 33, 16)}
 DECODE_B, DECODE_LIVE, VERIFY = (1, 8, 64, 256), (4096, 32768, 131072), ((8, 32768), (64, 32768))
 
 
@@ -186,6 +189,50 @@ def _tma_kernel(
             tl.store(out_row + n, s, mask=n < seq)
 
 
+@triton.jit
+def _half_page_kernel(
+    q_ptr, w_ptr, kv_ptr, seq_ptr, pt_ptr, out_ptr,
+    stride_q_row, stride_q_head, stride_w_row, stride_pt_row, stride_out_row, max_seq_len, splits, pt_cols,
+    H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """The strided decode split over half pages (32 keys): a row of few pages spreads over twice the programs,
+    so each multiprocessor moves half a page of keys (TileLang's fp8 page is about half of ours)."""
+    HALF: tl.constexpr = PAGE // 2
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    pt_row = pt_ptr + row64 * stride_pt_row
+    out_row = out_ptr + row64 * stride_out_row
+    first_page = tl.load(pt_row + split // 2, mask=split // 2 < pt_cols, other=0)
+    q_t, w = ml._load_row_q(q_ptr + row64 * stride_q_row, w_ptr + row64 * stride_w_row, stride_q_head, H, D)
+    seq = tl.minimum(tl.load(seq_ptr + row), max_seq_len)
+    n_halves = tl.cdiv(seq, HALF)
+    active = tl.minimum(splits, n_halves)
+    offs = tl.arange(0, HALF)
+    dims = tl.arange(0, D)
+    if (split < active) & (first_page >= 0):
+        for t in tl.range(split, n_halves, active, num_stages=STAGES):
+            page = tl.load(pt_row + t // 2).to(tl.int64)
+            n = t * HALF + offs
+            live = n < seq
+            k = tl.load(kv_ptr + page * (PAGE * D) + ((t % 2) * HALF + offs)[:, None] * D + dims[None, :],
+                        mask=live[:, None], other=0.0)
+            s = tl.sum(ml._tile_scores(k, q_t, w, FP32_DOT), axis=1)
+            tl.store(out_row + n, s, mask=live)
+
+
+def half_page_logits(q, pages, weights, seq_lens, page_table, max_seq_len, *, out, splits, num_warps=4,
+                     num_stages=4):
+    """Launch the half-page candidate (``splits`` programs a row)."""
+    q, weights, seq_lens, page_table = ml._normalize(q, weights, seq_lens, page_table)
+    _half_page_kernel[(q.shape[0], int(splits))](
+        q, weights, pages, seq_lens, page_table, out,
+        q.stride(0), q.stride(1), weights.stride(0), page_table.stride(0), out.stride(0), max_seq_len, int(splits),
+        page_table.shape[1], H=q.shape[1], D=D, PAGE=PAGE, STAGES=num_stages, FP32_DOT=interpreting(),
+        num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
 def tma_logits(q, pages, weights, seq_lens, page_table, max_seq_len, *, out, q_tma=True, splits=None, num_warps=4,
                num_stages=8):
     """Launch the TMA candidate (host tensor descriptors: the CUDA graph keeps them as kernel parameters)."""
@@ -244,6 +291,12 @@ def configs_for(b, live, width, verify=False):
                 "tma_w8_qld": ("tma", dict(num_warps=8, q_tma=False)),
                 "tma_s6": ("tma", dict(num_stages=6)),
                 "diag_h32": ("diag_h32", {}), "diag_l2": ("diag_l2", {})})
+    for sp in HALF_SPLITS.get((b, live), ()):
+        cfg[f"half_s{sp}"] = ("half", dict(splits=sp))
+        cfg[f"half_s{sp}_st2"] = ("half", dict(splits=sp, num_stages=2))
+    if b * live >= 32768:  # one program a multiprocessor: one copy of the queries each, not two
+        cfg["base_s132"] = ("package", dict(splits=max(1, 132 // b)))
+        cfg["base_s132_st6"] = ("package", dict(splits=max(1, 132 // b), num_stages=6))
     if width == live:  # the grid may change with the width (never with the live length)
         for sp in SPLIT_VARIANTS.get((b, live), ()):
             cfg[f"base_s{sp}"] = ("package", dict(splits=sp))
@@ -274,7 +327,9 @@ def floor_launcher(kw, pool):
     flat = src.view(torch.uint8).reshape(src.shape[0], pb)
     if impl == "triton":
         words = flat.view(torch.int32)
-        return lambda q, w, sl, pt, out: rf.triton_read(words, pt, sl, out, pt.shape[1] * PAGE, **kw)
+        with_q = kw.pop("read_q", False)
+        return lambda q, w, sl, pt, out: rf.triton_read(words, pt, sl, out, pt.shape[1] * PAGE,
+                                                        q=q if with_q else None, **kw)
     if not _BULK:
         _BULK.append(rf.BulkReader())
     return lambda q, w, sl, pt, out: _BULK[0](flat, pt, sl, out, pt.shape[1] * PAGE, **kw)
@@ -287,6 +342,8 @@ def launcher(kind, kw, pool, width):
         return lambda q, w, sl, pt, out: tma_logits(q, pool, w, sl, pt, width, out=out, **kw)
     if kind == "diag_floor":
         return floor_launcher(kw, pool)
+    if kind == "half":
+        return lambda q, w, sl, pt, out: half_page_logits(q, pool, w, sl, pt, width, out=out, **kw)
     if kind == "diag_h32":
         return lambda q, w, sl, pt, out: ml.bf16_paged_mqa_logits(q[:, :32], pool, w[:, :32], sl, pt, width, out=out)
     if kind == "diag_l2":
@@ -526,7 +583,7 @@ def main():
     ap.add_argument("--only-tiny", action="store_true", help="only the six tiny decode pairs")
     ap.add_argument("--dry-cpu", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
     args = ap.parse_args()
-    global DECODE_B, DECODE_LIVE, VERIFY, WIDTH, TINY, SPLIT_VARIANTS
+    global DECODE_B, DECODE_LIVE, VERIFY, WIDTH, TINY, SPLIT_VARIANTS, HALF_SPLITS
     dev = "cuda"
     if args.dry_cpu:
         dev = ih.DEV = "cpu"
@@ -534,6 +591,7 @@ def main():
         g.dry_run_mode()
         DECODE_B, DECODE_LIVE, VERIFY, WIDTH, TINY = (1, 2), (256,), ((2, 256),), 1024, ((1, 256), (2, 256))
         SPLIT_VARIANTS = {(1, 256): (2,)}
+        HALF_SPLITS = {(1, 256): (8, 3), (2, 256): (5,)}
     elif args.only_tiny:
         DECODE_B, DECODE_LIVE, VERIFY = (1, 8), (4096, 32768), ()
     gen = torch.Generator(device=dev)
@@ -553,7 +611,7 @@ def main():
             result["warm"] = {"error": f"{type(exc).__name__}: {str(exc)[-400:]}"}
             print("warm failed:", result["warm"], flush=True)
     kinds = args.kinds.split(",")
-    excluded = {"package", "candidate", "tma", "diag_h32", "diag_l2", "diag_floor"} - set(kinds)
+    excluded = {"package", "candidate", "tma", "half", "diag_h32", "diag_l2", "diag_floor"} - set(kinds)
     result["kinds"] = kinds
     if args.preflight and not args.dry_cpu:
         result["preflight"] = preflight(kinds)

@@ -20,6 +20,7 @@ outputs are not logits and are not checked.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -30,17 +31,20 @@ BF16_PAGE_BYTES, FP8_PAGE_BYTES = 16384, 8448
 
 
 @triton.jit
-def _read_pages_kernel(pool_ptr, pt_ptr, seq_ptr, out_ptr, stride_pt_row, stride_out_row, max_seq_len, splits,
-                       MAIN: tl.constexpr, TAIL: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
-                       READ: tl.constexpr):
+def _read_pages_kernel(pool_ptr, pt_ptr, seq_ptr, out_ptr, q_ptr, stride_pt_row, stride_out_row, stride_q_row,
+                       max_seq_len, splits, MAIN: tl.constexpr, TAIL: tl.constexpr, PAGE: tl.constexpr,
+                       STAGES: tl.constexpr, READ: tl.constexpr, READ_Q: tl.constexpr):
     """Program (row, split) folds the int32 words of pages split, split + P, ... of the row (P as the logits
-    kernel's); a page is MAIN + TAIL words (TAIL: the fp8 page's scales after its keys)."""
+    kernel's); a page is MAIN + TAIL words (TAIL: the fp8 page's scales after its keys). With READ_Q it also
+    folds the row's queries (MAIN words: bf16 [64, 128]), as every logits program loads them."""
     row = tl.program_id(0)
     split = tl.program_id(1)
+    acc = tl.zeros([MAIN], dtype=tl.int32)
+    if READ_Q:
+        acc = tl.load(q_ptr + row.to(tl.int64) * stride_q_row + tl.arange(0, MAIN))
     seq = tl.minimum(tl.load(seq_ptr + row), max_seq_len)
     n_tiles = tl.cdiv(seq, PAGE)
     active = tl.minimum(splits, n_tiles)
-    acc = tl.zeros([MAIN], dtype=tl.int32)
     if split < active:
         if READ:
             pt_row = pt_ptr + row.to(tl.int64) * stride_pt_row
@@ -52,12 +56,14 @@ def _read_pages_kernel(pool_ptr, pt_ptr, seq_ptr, out_ptr, stride_pt_row, stride
         tl.store(out_ptr + row.to(tl.int64) * stride_out_row + split, tl.xor_sum(acc, 0).to(tl.float32))
 
 
-def triton_read(words, pt, sl, out, width, *, splits, page_bytes, num_warps=4, stages=3, read=True):
-    """The Triton floor over ``words`` (the pool viewed as int32 [pages, page_bytes / 4])."""
+def triton_read(words, pt, sl, out, width, *, splits, page_bytes, num_warps=4, stages=3, read=True, q=None):
+    """The Triton floor over ``words`` (the pool viewed as int32 [pages, page_bytes / 4]); with ``q`` (bf16
+    [rows, 64, 128]) each program also reads its row's queries."""
     main = 4096 if page_bytes == BF16_PAGE_BYTES else 2048
+    q_words = q.reshape(q.shape[0], -1).view(torch.int32) if q is not None else words
     _read_pages_kernel[(pt.shape[0], splits)](
-        words, pt, sl, out, pt.stride(0), out.stride(0), width, splits,
-        MAIN=main, TAIL=page_bytes // 4 - main, PAGE=PAGE, STAGES=stages, READ=read,
+        words, pt, sl, out, q_words, pt.stride(0), out.stride(0), q_words.stride(0), width, splits,
+        MAIN=main, TAIL=page_bytes // 4 - main, PAGE=PAGE, STAGES=stages, READ=read, READ_Q=q is not None,
         num_warps=num_warps, num_stages=stages)
     return out
 
@@ -135,7 +141,6 @@ class BulkReader:
 
     def __call__(self, pool_bytes, pt, sl, out, width, *, splits, page_bytes, stages):
         import numpy as np
-        import torch
 
         k = self.kernels[(page_bytes, stages)]
         with self.cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
@@ -155,6 +160,8 @@ def floor_configs(b, live, width, *, bulk: bool):
     for tag, pb in (("bf16", BF16_PAGE_BYTES), ("fp8", FP8_PAGE_BYTES)):
         for sp_tag, sp in (("", ours), ("_p1", one_page)):
             cfg[f"floor_{tag}_triton{sp_tag}"] = dict(impl="triton", splits=sp, page_bytes=pb, stages=3)
+            if pb == BF16_PAGE_BYTES:
+                cfg[f"floor_bf16_triton_q{sp_tag}"] = dict(impl="triton", splits=sp, page_bytes=pb, stages=3, read_q=True)
             cfg[f"floor_{tag}_triton_w8{sp_tag}"] = dict(impl="triton", splits=sp, page_bytes=pb, stages=3,
                                                          num_warps=8)
             if bulk:
@@ -164,8 +171,6 @@ def floor_configs(b, live, width, *, bulk: bool):
 
 
 def _cuda():
-    import torch
-
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -173,8 +178,6 @@ def _cuda():
 def check_bulk(seed: int = 0) -> float:
     """The bulk floor's one stored word per program against torch (thread 0 sums word 0 of each of its pages,
     as fp32): run in its own process before the bench, so a fault there costs only the floors."""
-    import torch
-
     gen = torch.Generator(device="cuda").manual_seed(seed)
     reader = BulkReader()
     worst = 0.0
