@@ -18,7 +18,8 @@ kernels defined here, which differ from it only in how a short program starts:
 * ``half``: the strided split over half pages (32 keys a tile), twice the programs for rows of few pages;
 * ``w8``: 8 warps instead of 4; ``sN`` (N >= 16): N programs per row instead of the wave-filling choice;
 * ``diag_*``: diagnostics, not candidates (see ``configs_for``); ``diag_floor``: bench/read_floor_h200.py's
-  read floors (the same pages read, nothing scored), bf16 and fp8 pages, Triton and Hopper bulk copies.
+  read floors (the same pages read, nothing scored), bf16 and fp8 pages, Triton and Hopper bulk copies, and
+  ``diag_probe``: the package's loop with its product or its stores left out.
 
 Results (bench/results/indexer_h200_2026-12-01_tiny_bb0eeb3.json, ..._6aafe7e_tma.json): ``short`` reaches
 0.96 of TileLang at 1 x 4k / width 4k (package 1.02); at 512 pages (1 x 32k, 8 x 4k) the best candidate is
@@ -221,6 +222,60 @@ def _half_page_kernel(
             tl.store(out_row + n, s, mask=live)
 
 
+@triton.jit
+def _probe_kernel(
+    q_ptr, w_ptr, kv_ptr, seq_ptr, pt_ptr, out_ptr,
+    stride_q_row, stride_q_head, stride_w_row, stride_pt_row, stride_out_row, max_seq_len, splits, pt_cols,
+    H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, DOT: tl.constexpr, STORE: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """The package's strided decode loop with one stage left out, to place its time (diagnostics, not logits):
+    without DOT a tile's keys are summed instead of scored (no queries, no product); without STORE a program
+    stores one sum instead of its 64 logits a tile."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    pt_row = pt_ptr + row64 * stride_pt_row
+    out_row = out_ptr + row64 * stride_out_row
+    first_page = tl.load(pt_row + split, mask=split < pt_cols, other=0)
+    q_t, w = ml._load_row_q(q_ptr + row64 * stride_q_row, w_ptr + row64 * stride_w_row, stride_q_head, H, D)
+    seq = tl.minimum(tl.load(seq_ptr + row), max_seq_len)
+    n_tiles = tl.cdiv(seq, PAGE)
+    active = tl.minimum(splits, n_tiles)
+    offs = tl.arange(0, PAGE)
+    in_page = offs[:, None] * D + tl.arange(0, D)[None, :]
+    acc = tl.zeros([PAGE], dtype=tl.float32)
+    if (split < active) & (first_page >= 0):
+        for t in range(split, n_tiles, active):
+            n = t * PAGE + offs
+            live = n < seq
+            page = tl.load(pt_row + t).to(tl.int64)
+            k = tl.load(kv_ptr + page * (PAGE * D) + in_page, mask=live[:, None], other=0.0)
+            if DOT:
+                s = tl.sum(ml._tile_scores(k, q_t, w, FP32_DOT), axis=1)
+            else:
+                s = tl.sum(k.to(tl.float32), axis=1)
+            if STORE:
+                tl.store(out_row + n, s, mask=live)
+            else:
+                acc += s
+        if not STORE:
+            tl.store(out_row + split, tl.sum(acc, 0))
+
+
+def probe_logits(q, pages, weights, seq_lens, page_table, max_seq_len, *, out, dot=True, store=True):
+    """Launch the probe with the package's decode grid and launch configuration."""
+    q, weights, seq_lens, page_table = ml._normalize(q, weights, seq_lens, page_table)
+    stages = ml.DECODE_CONFIG["num_stages"]
+    splits = ml.decode_splits(q.shape[0], max_seq_len, device=q.device, num_stages=stages)
+    _probe_kernel[(q.shape[0], int(splits))](
+        q, weights, pages, seq_lens, page_table, out,
+        q.stride(0), q.stride(1), weights.stride(0), page_table.stride(0), out.stride(0), max_seq_len, int(splits),
+        page_table.shape[1], H=q.shape[1], D=D, PAGE=PAGE, DOT=bool(dot), STORE=bool(store), FP32_DOT=interpreting(),
+        **ml.DECODE_CONFIG)
+    return out
+
+
 def half_page_logits(q, pages, weights, seq_lens, page_table, max_seq_len, *, out, splits, num_warps=4,
                      num_stages=4):
     """Launch the half-page candidate (``splits`` programs a row)."""
@@ -283,6 +338,9 @@ def configs_for(b, live, width, verify=False):
            "tma_qld": ("tma", dict(q_tma=False)),
            "tma_s4": ("tma", dict(num_stages=4))}
     if FLOORS["on"] and not verify:
+        cfg.update({"diag_probe": ("diag_probe", {}), "diag_probe_nostore": ("diag_probe", dict(store=False)),
+                    "diag_probe_nodot": ("diag_probe", dict(dot=False)),
+                    "diag_probe_nodot_nostore": ("diag_probe", dict(dot=False, store=False))})
         cfg.update({n: ("diag_floor", kw) for n, kw in rf.floor_configs(b, live, width, bulk=FLOORS["bulk"]).items()})
     if verify or (b, live) not in TINY:
         return cfg
@@ -342,6 +400,8 @@ def launcher(kind, kw, pool, width):
         return lambda q, w, sl, pt, out: tma_logits(q, pool, w, sl, pt, width, out=out, **kw)
     if kind == "diag_floor":
         return floor_launcher(kw, pool)
+    if kind == "diag_probe":
+        return lambda q, w, sl, pt, out: probe_logits(q, pool, w, sl, pt, width, out=out, **kw)
     if kind == "half":
         return lambda q, w, sl, pt, out: half_page_logits(q, pool, w, sl, pt, width, out=out, **kw)
     if kind == "diag_h32":
