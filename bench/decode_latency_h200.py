@@ -223,15 +223,25 @@ def _half_page_kernel(
 
 
 @triton.jit
+def _st_global(ptrs, vals, mask):
+    """st.global of each value where mask holds, in whatever layout the values are in (no layout change)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.f32 [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,f,r", [ptrs.to(tl.int64), vals, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _probe_kernel(
     q_ptr, w_ptr, kv_ptr, seq_ptr, pt_ptr, out_ptr,
     stride_q_row, stride_q_head, stride_w_row, stride_pt_row, stride_out_row, max_seq_len, splits, pt_cols,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, DOT: tl.constexpr, STORE: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    ASM_STORE: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     """The package's strided decode loop with one stage left out, to place its time (diagnostics, not logits):
     without DOT a tile's keys are summed instead of scored (no queries, no product); without STORE a program
-    stores one sum instead of its 64 logits a tile."""
+    stores one sum instead of its 64 logits a tile. ASM_STORE stores each logit with an inline st.global in
+    the layout the head sum leaves it in, where tl.store first moves it to a coalesced layout through shared
+    memory (ttg.convert_layout: a shared-memory round trip and a barrier a tile)."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     row64 = row.to(tl.int64)
@@ -255,15 +265,17 @@ def _probe_kernel(
                 s = tl.sum(ml._tile_scores(k, q_t, w, FP32_DOT), axis=1)
             else:
                 s = tl.sum(k.to(tl.float32), axis=1)
-            if STORE:
+            if ASM_STORE:
+                _st_global(out_row + n, s, live)
+            elif STORE:
                 tl.store(out_row + n, s, mask=live)
             else:
                 acc += s
-        if not STORE:
+        if not STORE and not ASM_STORE:
             tl.store(out_row + split, tl.sum(acc, 0))
 
 
-def probe_logits(q, pages, weights, seq_lens, page_table, max_seq_len, *, out, dot=True, store=True):
+def probe_logits(q, pages, weights, seq_lens, page_table, max_seq_len, *, out, dot=True, store=True, asm_store=False):
     """Launch the probe with the package's decode grid and launch configuration."""
     q, weights, seq_lens, page_table = ml._normalize(q, weights, seq_lens, page_table)
     stages = ml.DECODE_CONFIG["num_stages"]
@@ -271,7 +283,8 @@ def probe_logits(q, pages, weights, seq_lens, page_table, max_seq_len, *, out, d
     _probe_kernel[(q.shape[0], int(splits))](
         q, weights, pages, seq_lens, page_table, out,
         q.stride(0), q.stride(1), weights.stride(0), page_table.stride(0), out.stride(0), max_seq_len, int(splits),
-        page_table.shape[1], H=q.shape[1], D=D, PAGE=PAGE, DOT=bool(dot), STORE=bool(store), FP32_DOT=interpreting(),
+        page_table.shape[1], H=q.shape[1], D=D, PAGE=PAGE, DOT=bool(dot), STORE=bool(store),
+        ASM_STORE=bool(asm_store), FP32_DOT=interpreting(),
         **ml.DECODE_CONFIG)
     return out
 
@@ -332,6 +345,7 @@ def configs_for(b, live, width, verify=False):
     candidates (``diag_h32``: half the heads, so half the query bytes; ``diag_l2``: every row reads page 0,
     so the keys come from L2: the latency floor without the HBM transfer)."""
     cfg = {"base": ("package", {}),
+           "asmstore": ("probe", dict(asm_store=True)),
            "short": ("candidate", dict(hint_tiles=2, short=True)),
            "tma": ("tma", {}),
            "tma_w8": ("tma", dict(num_warps=8)),
@@ -400,7 +414,7 @@ def launcher(kind, kw, pool, width):
         return lambda q, w, sl, pt, out: tma_logits(q, pool, w, sl, pt, width, out=out, **kw)
     if kind == "diag_floor":
         return floor_launcher(kw, pool)
-    if kind == "diag_probe":
+    if kind in ("diag_probe", "probe"):
         return lambda q, w, sl, pt, out: probe_logits(q, pool, w, sl, pt, width, out=out, **kw)
     if kind == "half":
         return lambda q, w, sl, pt, out: half_page_logits(q, pool, w, sl, pt, width, out=out, **kw)
@@ -671,7 +685,7 @@ def main():
             result["warm"] = {"error": f"{type(exc).__name__}: {str(exc)[-400:]}"}
             print("warm failed:", result["warm"], flush=True)
     kinds = args.kinds.split(",")
-    excluded = {"package", "candidate", "tma", "half", "diag_h32", "diag_l2", "diag_floor"} - set(kinds)
+    excluded = {"package", "candidate", "tma", "half", "probe", "diag_h32", "diag_l2", "diag_floor"} - set(kinds)
     result["kinds"] = kinds
     if args.preflight and not args.dry_cpu:
         result["preflight"] = preflight(kinds)
