@@ -18,6 +18,9 @@ from dsv4_sm120.kernels import index_k_store, index_query, mqa_logits, page_chec
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, ROPE_DIM
 
 TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "sm_120": GPUTarget("cuda", 120, 32)}
+# Shared memory one program may use (the opt-in per-block maximum): 227 KiB on Hopper, 99 KiB on consumer and
+# workstation Blackwell (RTX PRO 6000, compute capability 12.0). A kernel over it builds but fails at launch.
+SMEM_PER_BLOCK = {"sm_90": 232448, "sm_120": 101376}
 
 
 @dataclass(frozen=True)
@@ -72,10 +75,20 @@ KERNEL_SPECS = (
 )
 
 
+def _jit_specialization(signature: dict) -> dict:
+    """The divisibility Triton's JIT finds at launch: torch's tensors are 16-byte aligned and the strides the
+    kernels get are multiples of 16. Without it the build differs from the one that runs: bf16 loads that
+    might be unaligned are not vectorized, so the logits kernels' key pages are not pipelined (Triton 3.8)."""
+    return {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(signature.items())
+            if ty.startswith("*") or name.startswith("stride")}
+
+
 def compile_for(spec: KernelSpec, target: GPUTarget):
-    """Compile one kernel for one target; returns Triton's compiled kernel (has .asm)."""
+    """Compile one kernel for one target as the JIT would at launch; returns Triton's compiled kernel (.asm,
+    .metadata.shared)."""
     signature = dict(spec.signature)
     for name in spec.constexprs:
         signature[name] = "constexpr"
-    src = ASTSource(fn=spec.fn, signature=signature, constexprs=dict(spec.constexprs))
+    src = ASTSource(fn=spec.fn, signature=signature, constexprs=dict(spec.constexprs),
+                    attrs=_jit_specialization(spec.signature))
     return triton.compile(src, target=target, options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
