@@ -235,13 +235,14 @@ def _probe_kernel(
     q_ptr, w_ptr, kv_ptr, seq_ptr, pt_ptr, out_ptr,
     stride_q_row, stride_q_head, stride_w_row, stride_pt_row, stride_out_row, max_seq_len, splits, pt_cols,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, DOT: tl.constexpr, STORE: tl.constexpr,
-    ASM_STORE: tl.constexpr, FP32_DOT: tl.constexpr,
+    ASM_STORE: tl.constexpr, STORE_CACHE: tl.constexpr, LOAD_EVICT: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     """The package's strided decode loop with one stage left out, to place its time (diagnostics, not logits):
     without DOT a tile's keys are summed instead of scored (no queries, no product); without STORE a program
     stores one sum instead of its 64 logits a tile. ASM_STORE stores each logit with an inline st.global in
     the layout the head sum leaves it in, where tl.store first moves it to a coalesced layout through shared
-    memory (ttg.convert_layout: a shared-memory round trip and a barrier a tile)."""
+    memory (ttg.convert_layout: a shared-memory round trip and a barrier a tile). STORE_CACHE / LOAD_EVICT: the
+    logits' store cache modifier (".cs": streaming) and the key loads' eviction policy ("evict_first")."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     row64 = row.to(tl.int64)
@@ -260,7 +261,8 @@ def _probe_kernel(
             n = t * PAGE + offs
             live = n < seq
             page = tl.load(pt_row + t).to(tl.int64)
-            k = tl.load(kv_ptr + page * (PAGE * D) + in_page, mask=live[:, None], other=0.0)
+            k = tl.load(kv_ptr + page * (PAGE * D) + in_page, mask=live[:, None], other=0.0,
+                        eviction_policy=LOAD_EVICT)
             if DOT:
                 s = tl.sum(ml._tile_scores(k, q_t, w, FP32_DOT), axis=1)
             else:
@@ -268,14 +270,15 @@ def _probe_kernel(
             if ASM_STORE:
                 _st_global(out_row + n, s, live)
             elif STORE:
-                tl.store(out_row + n, s, mask=live)
+                tl.store(out_row + n, s, mask=live, cache_modifier=STORE_CACHE)
             else:
                 acc += s
         if not STORE and not ASM_STORE:
             tl.store(out_row + split, tl.sum(acc, 0))
 
 
-def probe_logits(q, pages, weights, seq_lens, page_table, max_seq_len, *, out, dot=True, store=True, asm_store=False):
+def probe_logits(q, pages, weights, seq_lens, page_table, max_seq_len, *, out, dot=True, store=True, asm_store=False,
+                 store_cache="", load_evict=""):
     """Launch the probe with the package's decode grid and launch configuration."""
     q, weights, seq_lens, page_table = ml._normalize(q, weights, seq_lens, page_table)
     stages = ml.DECODE_CONFIG["num_stages"]
@@ -284,7 +287,7 @@ def probe_logits(q, pages, weights, seq_lens, page_table, max_seq_len, *, out, d
         q, weights, pages, seq_lens, page_table, out,
         q.stride(0), q.stride(1), weights.stride(0), page_table.stride(0), out.stride(0), max_seq_len, int(splits),
         page_table.shape[1], H=q.shape[1], D=D, PAGE=PAGE, DOT=bool(dot), STORE=bool(store),
-        ASM_STORE=bool(asm_store), FP32_DOT=interpreting(),
+        ASM_STORE=bool(asm_store), STORE_CACHE=store_cache, LOAD_EVICT=load_evict, FP32_DOT=interpreting(),
         **ml.DECODE_CONFIG)
     return out
 
@@ -346,6 +349,10 @@ def configs_for(b, live, width, verify=False):
     so the keys come from L2: the latency floor without the HBM transfer)."""
     cfg = {"base": ("package", {}),
            "asmstore": ("probe", dict(asm_store=True)),
+           "probe": ("probe", {}),
+           "probe_cs": ("probe", dict(store_cache=".cs")),
+           "probe_ef": ("probe", dict(load_evict="evict_first")),
+           "probe_cs_ef": ("probe", dict(store_cache=".cs", load_evict="evict_first")),
            "short": ("candidate", dict(hint_tiles=2, short=True)),
            "tma": ("tma", {}),
            "tma_w8": ("tma", dict(num_warps=8)),
