@@ -25,7 +25,10 @@ Results (bench/results/indexer_h200_2026-12-01_tiny_bb0eeb3.json, ..._6aafe7e_tm
 0.96 of TileLang at 1 x 4k / width 4k (package 1.02); at 512 pages (1 x 32k, 8 x 4k) the best candidate is
 1.08-1.13 (package 1.11-1.14) and at the capture width none beats the package kernel; the page-id hints change
 nothing; TMA key pages are slower (1.07-1.20). TileLang's own time moved by up to 9% between runs here
-(1 x 32k: 4.96-5.44 us), as much as the gaps being closed.
+(1 x 32k: 4.96-5.44 us), as much as the gaps being closed. The read floors (..._floors_*.json) put a
+Triton read of the keys and queries at 1.01-1.02 of TileLang at 512 pages; half pages and one program a
+multiprocessor were no better; ``asmstore`` gains 0.5-1% on decode and 6-9% on target-verify
+(..._asmstore_0704fc0.json, ..._probes_04335b1.json); streaming stores and evict-first loads nothing.
 
 Timing is bench/indexer_h200.py's: each kernel's launches in one CUDA graph over independent page draws
 (at least 512 MiB of keys per replay), alternating rounds (every kernel once a round), the median. Every
