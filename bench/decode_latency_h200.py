@@ -161,6 +161,17 @@ def _candidate_kernel(
 
 
 @triton.jit
+def _program_row(pt_ptr, out_ptr, stride_pt_row, stride_out_row, pt_cols):
+    """A decode program's row and split, its row's page table and output, and its first tile's page id."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    pt_row = pt_ptr + row64 * stride_pt_row
+    return row, split, row64, pt_row, out_ptr + row64 * stride_out_row, tl.load(pt_row + split, mask=split < pt_cols,
+                                                                               other=0)
+
+
+@triton.jit
 def _tma_kernel(
     q_ptr, q_desc, w_ptr, k_desc, seq_ptr, pt_ptr, out_ptr,
     stride_q_row, stride_q_head, stride_w_row, stride_pt_row, stride_out_row, max_seq_len, splits, pt_cols,
@@ -169,12 +180,8 @@ def _tma_kernel(
     """The strided decode split with each key page moved by one Hopper TMA copy (``k_desc``: the pool as
     [pages * 64, 128], 64 x 128 boxes) in the pipelined loop; the queries by TMA too with Q_TMA. A page's
     rows past the length are read (the box is the whole page) but not stored."""
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    pt_row = pt_ptr + row64 * stride_pt_row
-    out_row = out_ptr + row64 * stride_out_row
-    first_page = tl.load(pt_row + split, mask=split < pt_cols, other=0)
+    row, split, row64, pt_row, out_row, first_page = _program_row(pt_ptr, out_ptr, stride_pt_row, stride_out_row,
+                                                                   pt_cols)
     seq = tl.minimum(tl.load(seq_ptr + row), max_seq_len)
     w = tl.load(w_ptr + row64 * stride_w_row + tl.arange(0, H)).to(tl.float32)
     if Q_TMA:
@@ -246,12 +253,8 @@ def _probe_kernel(
     the layout the head sum leaves it in, where tl.store first moves it to a coalesced layout through shared
     memory (ttg.convert_layout: a shared-memory round trip and a barrier a tile). STORE_CACHE / LOAD_EVICT: the
     logits' store cache modifier (".cs": streaming) and the key loads' eviction policy ("evict_first")."""
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    pt_row = pt_ptr + row64 * stride_pt_row
-    out_row = out_ptr + row64 * stride_out_row
-    first_page = tl.load(pt_row + split, mask=split < pt_cols, other=0)
+    row, split, row64, pt_row, out_row, first_page = _program_row(pt_ptr, out_ptr, stride_pt_row, stride_out_row,
+                                                                   pt_cols)
     q_t, w = ml._load_row_q(q_ptr + row64 * stride_q_row, w_ptr + row64 * stride_w_row, stride_q_head, H, D)
     seq = tl.minimum(tl.load(seq_ptr + row), max_seq_len)
     n_tiles = tl.cdiv(seq, PAGE)
