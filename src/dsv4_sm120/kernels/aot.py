@@ -54,7 +54,8 @@ def _logits_spec(rows_per_program: int = 1) -> KernelSpec:
                       {"H": 64, "D": HEAD_DIM, "PAGE": PAGE_SLOTS, "R": rows_per_program, "TP": 1, "EARLY_Q": mqa_logits.EARLY_Q,
                        "PAGE_HINT": mqa_logits.PAGE_HINT,
                        "STRIDED": mqa_logits.STRIDED,
-                       "QLOOP_TILES": mqa_logits.QLOOP_TILES, "QLOOP_STAGES": mqa_logits.QLOOP_STAGES, "FP32_DOT": False},
+                       "QLOOP_TILES": mqa_logits.QLOOP_TILES, "QLOOP_STAGES": mqa_logits.QLOOP_STAGES, "FP32_DOT": False,
+                       "INLINE_STORE": True},
                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
