@@ -518,10 +518,12 @@ _TD = dict(programs=None, min_tiles=1, tile_pages=1, num_stages=8, num_warps=4, 
            strided=True, qloop_tiles=0, qloop_stages=3)
 TUNE_DECODE = ([dict(_TD)] + [dict(_TD, qloop_tiles=qt, qloop_stages=qs) for qt, qs in ((1, 2), (2, 2), (2, 3), (4, 3), (8, 3))]
                + [dict(_TD, num_stages=6, qloop_tiles=2, qloop_stages=3)])
-TUNE_PREFILL = ([dict(rows_per_program=1, num_warps=4, num_stages=3)]
+TUNE_PREFILL = ([dict(rows_per_program=1, num_warps=4, num_stages=3),
+                 dict(rows_per_program=4, num_warps=4, num_stages=3, inline_store=False)]
                 + [dict(rows_per_program=r, num_warps=nw, num_stages=ns) for r in (4, 8) for nw in (4, 8)
                    for ns in (2, 3, 4)])
 TUNE_PREFILL_LONG = [dict(rows_per_program=1, num_warps=4, num_stages=3), dict(rows_per_program=4, num_warps=4, num_stages=3),
+                     dict(rows_per_program=4, num_warps=4, num_stages=3, inline_store=False),
                      dict(rows_per_program=4, num_warps=4, num_stages=4), dict(rows_per_program=8, num_warps=8, num_stages=2),
                      dict(rows_per_program=8, num_warps=8, num_stages=3)]
 
@@ -530,12 +532,12 @@ def _decode_splits(rows, width, programs, min_tiles, tile_pages):
     return max(1, min(math.ceil(programs / rows), math.ceil(width / (PAGE * tile_pages * min_tiles))))
 
 
-def tune_section(peer, pool, gen, rep=60, prefill=True):
+def tune_section(peer, pool, gen, rep=60, prefill=True, decode=True):
     """Launch configurations of our kernel beside upstream's fp8 kernel: decode timed in CUDA graphs over
     rotating page draws (as timed_pair_graph), prefill with do_bench."""
     out = {"decode": [], "prefill": []}
     dry = g._DRY["on"]
-    dec_shapes = TUNE_DECODE_SHAPES if not dry else ((2, 256, 1024),)
+    dec_shapes = (TUNE_DECODE_SHAPES if not dry else ((2, 256, 1024),)) if decode else ()
     for b, live, width in dec_shapes:
         n = rotation_count(b, live) if not dry else 1
         draws = [(q, w, pt[:, : math.ceil(width / PAGE)].contiguous())
@@ -735,6 +737,7 @@ def main():
     ap.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep")
     ap.add_argument("--tune-only", action="store_true", help="only the launch-configuration tuning (its own JSON)")
     ap.add_argument("--tune-decode-only", action="store_true", help="with --tune-only: decode configurations only")
+    ap.add_argument("--tune-prefill-only", action="store_true", help="with --tune-only: prefill configurations only")
     ap.add_argument("--dry-cpu", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): checks the script")
     ap.add_argument("--deepgemm", help="a DeepGEMM build from bench/build_deepgemm_device.sh (the folder holding deep_gemm/)")
     ap.add_argument("--deepgemm-warm", action="store_true", help="only JIT-compile DeepGEMM's kernel variants, in parallel")
@@ -775,7 +778,8 @@ def main():
     paged_peers = ([peer] if peer else []) + ([DeepGemmPagedPeer(dg, pool8)] if dg is not None else [])
     prefill_peers = ([peer] if peer else []) + ([DeepGemmRaggedPeer(dg, pool8)] if dg is not None else [])
     if args.tune_only:
-        result["tune"] = tune_section(peer, pool, gen, prefill=not args.tune_decode_only)
+        result["tune"] = tune_section(peer, pool, gen, prefill=not args.tune_decode_only,
+                                      decode=not args.tune_prefill_only)
         path = Path(os.environ.get("OUT_JSON", "/tmp/indexer_tune_dry.json"))
         g.write_json(path, result)
         return
