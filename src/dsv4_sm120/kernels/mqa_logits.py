@@ -104,13 +104,34 @@ def decode_splits(rows: int, max_seq_len: int, *, device: torch.device, num_stag
 
 
 @triton.jit
-def _tile_scores(k, q_t, w, FP32_DOT: tl.constexpr):
-    """w[c] * relu(k . q_t[:, c]) for a key tile k [PAGE, D] and query columns q_t [D, C] (fp32 [PAGE, C])."""
+def _products(k, q_t, FP32_DOT: tl.constexpr):
+    """k . q_t[:, c] for a key tile k [PAGE, D] and query columns q_t [D, C] (fp32 [PAGE, C])."""
     if FP32_DOT:  # the CPU interpreter's bf16 dot is wrong; exact bf16 products in fp32 agree
-        s = tl.dot(k.to(tl.float32), q_t.to(tl.float32), input_precision="ieee")
-    else:
-        s = tl.dot(k, q_t)  # fp32 accumulate
-    return tl.maximum(s, 0.0) * w[None, :]
+        return tl.dot(k.to(tl.float32), q_t.to(tl.float32), input_precision="ieee")
+    return tl.dot(k, q_t)  # fp32 accumulate
+
+
+@triton.jit
+def _tile_scores(k, q_t, w, FP32_DOT: tl.constexpr):
+    """w[c] * relu(k . q_t[:, c]) (fp32 [PAGE, C])."""
+    return tl.maximum(_products(k, q_t, FP32_DOT), 0.0) * w[None, :]
+
+
+@triton.jit
+def _row_sums(s, w, PAGE: tl.constexpr, ROWS: tl.constexpr, H: tl.constexpr):
+    """sum over each row's heads of w * relu(s), for products s [PAGE, ROWS * H] of ROWS rows side by side."""
+    return tl.sum(tl.reshape(tl.maximum(s, 0.0) * w[None, :], (PAGE, ROWS, H)), axis=2)
+
+
+@triton.jit
+def _half_group(q_ptr, w_ptr, r0, n_rows, stride_q_row, stride_q_head, stride_w_row,
+                HALF: tl.constexpr, H: tl.constexpr, D: tl.constexpr):
+    """Queries [D, HALF * H] and head weights of rows r0 .. r0 + HALF - 1 (a short group repeats its last row)."""
+    dims = tl.arange(0, D)
+    cols = tl.arange(0, HALF * H)
+    c_row = tl.minimum(r0 + cols // H, n_rows - 1).to(tl.int64)
+    q_t = tl.load(q_ptr + c_row[None, :] * stride_q_row + (cols % H)[None, :] * stride_q_head + dims[:, None])
+    return q_t, tl.load(w_ptr + c_row * stride_w_row + cols % H).to(tl.float32)
 
 
 @triton.jit
@@ -247,30 +268,42 @@ def _logits_kernel(
         seq_hi = tl.max(seqs, axis=0)
         ref = tl.minimum(r0 + tl.argmax(seqs, axis=0), n_rows - 1).to(tl.int64)  # a row with the most keys
         ref_pt = pt_ptr + ref * stride_pt_row
-        dims = tl.arange(0, D)
-        cols = tl.arange(0, R * H)
-        c_row = tl.minimum(r0 + cols // H, n_rows - 1).to(tl.int64)
-        q_t = tl.load(q_ptr + c_row[None, :] * stride_q_row + (cols % H)[None, :] * stride_q_head
-                      + dims[:, None])  # [D, R * H]: the R rows' heads side by side
-        w = tl.load(w_ptr + c_row * stride_w_row + cols % H).to(tl.float32)
-        pt_rows = pt_ptr + rows * stride_pt_row
-        out_rows = out_ptr + rows * stride_out_row
+        # the R rows' heads side by side, in two halves: a tile's two products are issued before either
+        # one's head sums, so the second runs on the tensor cores while the first is summed
+        HALF: tl.constexpr = R // 2
+        q_a, w_a = _half_group(q_ptr, w_ptr, r0, n_rows, stride_q_row, stride_q_head, stride_w_row, HALF, H, D)
+        q_b, w_b = _half_group(q_ptr, w_ptr, r0 + HALF, n_rows, stride_q_row, stride_q_head, stride_w_row, HALF, H, D)
+        half = tl.arange(0, HALF)
+        rows_a = tl.minimum(r0 + half, n_rows - 1).to(tl.int64)
+        rows_b = tl.minimum(r0 + HALF + half, n_rows - 1).to(tl.int64)
+        seqs_a = tl.where(r0 + half < n_rows, tl.minimum(tl.load(seq_ptr + rows_a), max_seq_len), 0)
+        seqs_b = tl.where(r0 + HALF + half < n_rows, tl.minimum(tl.load(seq_ptr + rows_b), max_seq_len), 0)
         offs = tl.arange(0, PAGE)
-        in_page = offs[:, None] * D + dims[None, :]
-        other = tl.zeros([R], dtype=tl.int32)  # rows that read a page of their own somewhere
+        in_page = offs[:, None] * D + tl.arange(0, D)[None, :]
+        other_a = tl.zeros([HALF], dtype=tl.int32)  # rows that read a page of their own somewhere
+        other_b = tl.zeros([HALF], dtype=tl.int32)
         for t in range(0, tl.cdiv(seq_hi, PAGE)):
             n = t * PAGE + offs
             page = tl.load(ref_pt + t)
-            mine = tl.load(pt_rows + t, mask=t * PAGE < seqs, other=page)  # [R]
-            same = mine == page
-            other = tl.maximum(other, (mine != page).to(tl.int32))
+            mine_a = tl.load(pt_ptr + rows_a * stride_pt_row + t, mask=t * PAGE < seqs_a, other=page)
+            mine_b = tl.load(pt_ptr + rows_b * stride_pt_row + t, mask=t * PAGE < seqs_b, other=page)
+            other_a = tl.maximum(other_a, (mine_a != page).to(tl.int32))
+            other_b = tl.maximum(other_b, (mine_b != page).to(tl.int32))
             k = tl.load(kv_ptr + page.to(tl.int64) * (PAGE * D) + in_page, mask=(n < seq_hi)[:, None], other=0.0)
-            s = tl.sum(tl.reshape(_tile_scores(k, q_t, w, FP32_DOT), (PAGE, R, H)), axis=2)  # [PAGE, R]
-            _store_logits(out_rows[None, :] + n[:, None], s, (n[:, None] < seqs[None, :]) & same[None, :], INLINE_STORE)
-        if tl.max(other, axis=0) > 0:  # rows of different requests in one group: score their own pages
-            tl.debug_barrier()
+            s_a = _products(k, q_a, FP32_DOT)
+            s_b = _products(k, q_b, FP32_DOT)
+            _store_logits(out_ptr + rows_a[None, :] * stride_out_row + n[:, None], _row_sums(s_a, w_a, PAGE, HALF, H),
+                          (n[:, None] < seqs_a[None, :]) & (mine_a == page)[None, :], INLINE_STORE)
+            _store_logits(out_ptr + rows_b[None, :] * stride_out_row + n[:, None], _row_sums(s_b, w_b, PAGE, HALF, H),
+                          (n[:, None] < seqs_b[None, :]) & (mine_b == page)[None, :], INLINE_STORE)
+        if tl.maximum(tl.max(other_a, axis=0), tl.max(other_b, axis=0)) > 0:  # rows of different requests in
+            tl.debug_barrier()  # one group: each scores its own pages
             for i in tl.static_range(R):
-                if tl.sum(tl.where(rr == i, other, 0), axis=0) > 0:
+                if i < HALF:
+                    own = tl.sum(tl.where(half == i, other_a, 0), axis=0)
+                else:
+                    own = tl.sum(tl.where(half == i - HALF, other_b, 0), axis=0)
+                if own > 0:
                     row = tl.minimum(r0 + i, n_rows - 1).to(tl.int64)
                     seq = tl.sum(tl.where(rr == i, seqs, 0), axis=0)
                     q_i, w_i = _load_row_q(q_ptr + row * stride_q_row, w_ptr + row * stride_w_row, stride_q_head, H, D)
