@@ -371,7 +371,9 @@ def configs_for(b, live, width, verify=False):
         cfg.update({n: ("diag_floor", kw) for n, kw in rf.floor_configs(b, live, width, bulk=FLOORS["bulk"]).items()})
     if verify or (b, live) not in TINY:
         return cfg
-    cfg.update({"short_w8": ("candidate", dict(hint_tiles=2, short=True, num_warps=8)),
+    cfg.update({"base_st4": ("package", dict(num_stages=4)), "base_st6": ("package", dict(num_stages=6)),
+                "base_st3": ("package", dict(num_stages=3)), "base_q1": ("package", dict(qloop_tiles=1)),
+                "short_w8": ("candidate", dict(hint_tiles=2, short=True, num_warps=8)),
                 "hint2": ("candidate", dict(hint_tiles=2, short=False)),
                 "tma_w8_qld": ("tma", dict(num_warps=8, q_tma=False)),
                 "tma_s6": ("tma", dict(num_stages=6)),
