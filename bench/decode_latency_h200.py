@@ -29,6 +29,8 @@ nothing; TMA key pages are slower (1.07-1.20). TileLang's own time moved by up t
 Triton read of the keys and queries at 1.01-1.02 of TileLang at 512 pages; half pages and one program a
 multiprocessor were no better; ``asmstore`` gains 0.5-1% on decode and 6-9% on target-verify
 (..._asmstore_0704fc0.json, ..._probes_04335b1.json); streaming stores and evict-first loads nothing.
+Under the pin's Triton 3.8 (bench/triton38_device.sh; ..._tiny_triton38_eeb4066.json) ``short_w8`` is the
+fastest on all six tiny pairs (0.96-1.12 of TileLang, the package kernel 1.09-1.19).
 
 Timing is bench/indexer_h200.py's: each kernel's launches in one CUDA graph over independent page draws
 (at least 512 MiB of keys per replay), alternating rounds (every kernel once a round), the median. Every
