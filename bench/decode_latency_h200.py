@@ -362,6 +362,7 @@ def configs_for(b, live, width, verify=False):
            "probe_ef": ("probe", dict(load_evict="evict_first")),
            "probe_cs_ef": ("probe", dict(store_cache=".cs", load_evict="evict_first")),
            "short": ("candidate", dict(hint_tiles=2, short=True)),
+           "short_w8": ("candidate", dict(hint_tiles=2, short=True, num_warps=8)),
            "tma": ("tma", {}),
            "tma_w8": ("tma", dict(num_warps=8)),
            "tma_qld": ("tma", dict(q_tma=False)),
@@ -375,7 +376,6 @@ def configs_for(b, live, width, verify=False):
         return cfg
     cfg.update({"base_st4": ("package", dict(num_stages=4)), "base_st6": ("package", dict(num_stages=6)),
                 "base_st3": ("package", dict(num_stages=3)), "base_q1": ("package", dict(qloop_tiles=1)),
-                "short_w8": ("candidate", dict(hint_tiles=2, short=True, num_warps=8)),
                 "hint2": ("candidate", dict(hint_tiles=2, short=False)),
                 "tma_w8_qld": ("tma", dict(num_warps=8, q_tma=False)),
                 "tma_s6": ("tma", dict(num_stages=6)),
