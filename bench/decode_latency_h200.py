@@ -235,14 +235,6 @@ def _half_page_kernel(
 
 
 @triton.jit
-def _st_global(ptrs, vals, mask):
-    """st.global of each value where mask holds, in whatever layout the values are in (no layout change)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.f32 [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,f,r", [ptrs.to(tl.int64), vals, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _probe_kernel(
     q_ptr, w_ptr, kv_ptr, seq_ptr, pt_ptr, out_ptr,
     stride_q_row, stride_q_head, stride_w_row, stride_pt_row, stride_out_row, max_seq_len, splits, pt_cols,
@@ -276,7 +268,7 @@ def _probe_kernel(
             else:
                 s = tl.sum(k.to(tl.float32), axis=1)
             if ASM_STORE:
-                _st_global(out_row + n, s, live)
+                ml._store_logits(out_row + n, s, live, True)
             elif STORE:
                 tl.store(out_row + n, s, mask=live, cache_modifier=STORE_CACHE)
             else:

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_sm120.kernels.mqa_logits import decode_splits
+from dsv4_sm120.kernels.mqa_logits import DECODE_CONFIG, decode_splits
 
 PAGE = 64
 BF16_PAGE_BYTES, FP8_PAGE_BYTES = 16384, 8448
@@ -73,6 +73,16 @@ def triton_read(words, pt, sl, out, width, *, splits, page_bytes, num_warps=4, s
 
 
 BULK_SOURCE = r"""
+// One whole page into ring slot `slot`, arriving on that slot's barrier.
+__device__ __forceinline__ void copy_page(unsigned char* ring, unsigned long long* full, int slot, const char* src,
+                                          int page_bytes) {
+  const unsigned bar = (unsigned)__cvta_generic_to_shared(&full[slot]);
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(page_bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"((unsigned)__cvta_generic_to_shared(ring + slot * page_bytes)), "l"(src), "r"(page_bytes),
+                  "r"(bar) : "memory");
+}
+
 template <int PAGE_BYTES, int STAGES>
 __global__ void __launch_bounds__(128) bulk_read_pages(
     const char* __restrict__ pool, const int* __restrict__ page_table, const int* __restrict__ seq_lens,
@@ -92,16 +102,9 @@ __global__ void __launch_bounds__(128) bulk_read_pages(
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int j = 0; j < mine && j < STAGES; ++j) {
-      const unsigned bar = (unsigned)__cvta_generic_to_shared(&full[j]);
-      const char* src = pool + (long long)pt[split + j * active] * PAGE_BYTES;
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(PAGE_BYTES) : "memory");
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                   :: "r"((unsigned)__cvta_generic_to_shared(ring + j * PAGE_BYTES)), "l"(src), "r"(PAGE_BYTES),
-                      "r"(bar) : "memory");
-    }
-  }
+  if (threadIdx.x == 0)
+    for (int j = 0; j < mine && j < STAGES; ++j)
+      copy_page(ring, full, j, pool + (long long)pt[split + j * active] * PAGE_BYTES, PAGE_BYTES);
   float acc = 0.f;
   for (int j = 0; j < mine; ++j) {
     const int s = j % STAGES;
@@ -111,13 +114,8 @@ __global__ void __launch_bounds__(128) bulk_read_pages(
                  " @!ready bra spin;\n}" :: "r"(bar), "r"(parity) : "memory");
     acc += reinterpret_cast<const float*>(ring + s * PAGE_BYTES)[threadIdx.x];
     __syncthreads();
-    if (threadIdx.x == 0 && j + STAGES < mine) {
-      const char* src = pool + (long long)pt[split + (j + STAGES) * active] * PAGE_BYTES;
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(PAGE_BYTES) : "memory");
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                   :: "r"((unsigned)__cvta_generic_to_shared(ring + s * PAGE_BYTES)), "l"(src), "r"(PAGE_BYTES),
-                      "r"(bar) : "memory");
-    }
+    if (threadIdx.x == 0 && j + STAGES < mine)
+      copy_page(ring, full, s, pool + (long long)pt[split + (j + STAGES) * active] * PAGE_BYTES, PAGE_BYTES);
   }
   if (threadIdx.x == 0) out[(long long)row * out_stride + split] = acc;
 }
@@ -158,7 +156,7 @@ class BulkReader:
 def floor_configs(b, live, width, *, bulk: bool):
     """name -> kwargs of the floors for one decode shape: both page sizes at the logits kernel's split and at
     one page a program, and the launch floor of the logits kernel's grid."""
-    ours = decode_splits(b, width, device=_cuda(), num_stages=8)
+    ours = decode_splits(b, width, device=_cuda(), num_stages=DECODE_CONFIG["num_stages"])
     one_page = max(1, -(-min(live, width) // PAGE))
     cfg = {"floor_launch": dict(impl="triton", splits=ours, page_bytes=BF16_PAGE_BYTES, read=False)}
     for tag, pb in (("bf16", BF16_PAGE_BYTES), ("fp8", FP8_PAGE_BYTES)):
