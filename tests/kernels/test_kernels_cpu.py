@@ -185,8 +185,9 @@ def _prefill_case(gen, n=70, heads=16, boundary=37, odd_row=41):
 
 
 @pytest.mark.parametrize("rows_per_program", [2, 4])
-def test_logits_prefill_rows_per_program_match_one_row(kern, rows_per_program):
-    q, w, pages, sl, pt, lens = _prefill_case(_gen(12))
+@pytest.mark.parametrize("odd_row", [41, 42])  # a row with a page of its own in either half of its group of 4
+def test_logits_prefill_rows_per_program_match_one_row(kern, rows_per_program, odd_row):
+    q, w, pages, sl, pt, lens = _prefill_case(_gen(12), odd_row=odd_row)
     out, ref = _logits_both(kern, q, w, pages, sl, pt, 128, rows_per_program=rows_per_program)
     check_logits(out, ref, lens)
     one, _ = _logits_both(kern, q, w, pages, sl, pt, 128, rows_per_program=1)
