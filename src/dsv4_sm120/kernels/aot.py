@@ -44,8 +44,8 @@ def _store_spec(mode: int) -> KernelSpec:
 
 
 def _logits_spec(rows_per_program: int = 1) -> KernelSpec:
-    sig = {"q_ptr": "*bf16", "w_ptr": "*fp32", "kv_ptr": "*bf16", "kv_desc": "constexpr", "seq_ptr": "*i32",
-           "pt_ptr": "*i32", "out_ptr": "*fp32", "stride_q_row": "i64", "stride_q_head": "i64", "stride_w_row": "i64",
+    sig = {"q_ptr": "*bf16", "w_ptr": "*fp32", "kv_ptr": "*bf16", "seq_ptr": "*i32", "pt_ptr": "*i32",
+           "out_ptr": "*fp32", "stride_q_row": "i64", "stride_q_head": "i64", "stride_w_row": "i64",
            "stride_pt_row": "i64", "stride_out_row": "i64", "n_rows": "i32", "max_seq_len": "i32", "splits": "i32",
            "min_tiles": "i32", "pt_cols": "i32"}
     cfg = mqa_logits.PREFILL_CONFIG if rows_per_program > 1 else mqa_logits.DECODE_CONFIG
@@ -55,7 +55,7 @@ def _logits_spec(rows_per_program: int = 1) -> KernelSpec:
                        "PAGE_HINT": mqa_logits.PAGE_HINT,
                        "STRIDED": mqa_logits.STRIDED,
                        "QLOOP_TILES": mqa_logits.QLOOP_TILES, "QLOOP_STAGES": mqa_logits.QLOOP_STAGES, "FP32_DOT": False,
-                       "INLINE_STORE": rows_per_program == 1, "kv_desc": None, "K_TMA": False},
+                       "INLINE_STORE": rows_per_program == 1},
                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 

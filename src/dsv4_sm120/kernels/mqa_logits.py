@@ -206,12 +206,12 @@ def _score_row_qloop(q_row, w, kv_ptr, pt_row, out_row, seq, t0, t1, step, strid
 
 @triton.jit
 def _logits_kernel(
-    q_ptr, w_ptr, kv_ptr, kv_desc, seq_ptr, pt_ptr, out_ptr,
+    q_ptr, w_ptr, kv_ptr, seq_ptr, pt_ptr, out_ptr,
     stride_q_row, stride_q_head, stride_w_row, stride_pt_row, stride_out_row,
     n_rows, max_seq_len, splits, min_tiles, pt_cols,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, R: tl.constexpr, TP: tl.constexpr,
     EARLY_Q: tl.constexpr, PAGE_HINT: tl.constexpr, STRIDED: tl.constexpr, QLOOP_TILES: tl.constexpr,
-    QLOOP_STAGES: tl.constexpr, FP32_DOT: tl.constexpr, INLINE_STORE: tl.constexpr, K_TMA: tl.constexpr,
+    QLOOP_STAGES: tl.constexpr, FP32_DOT: tl.constexpr, INLINE_STORE: tl.constexpr,
 ):
     if R == 1 and STRIDED:  # decode: program (row, split) scores tiles split, split + P, ... of the row
         row = tl.program_id(0)
@@ -291,10 +291,7 @@ def _logits_kernel(
             mine_b = tl.load(pt_ptr + rows_b * stride_pt_row + t, mask=t * PAGE < seqs_b, other=page)
             other_a = tl.maximum(other_a, (mine_a != page).to(tl.int32))
             other_b = tl.maximum(other_b, (mine_b != page).to(tl.int32))
-            if K_TMA:  # the whole page by one TMA copy (rows past seq_hi are read, never stored)
-                k = kv_desc.load([page * PAGE, 0])
-            else:
-                k = tl.load(kv_ptr + page.to(tl.int64) * (PAGE * D) + in_page, mask=(n < seq_hi)[:, None], other=0.0)
+            k = tl.load(kv_ptr + page.to(tl.int64) * (PAGE * D) + in_page, mask=(n < seq_hi)[:, None], other=0.0)
             s_a = _products(k, q_a, FP32_DOT)
             s_b = _products(k, q_b, FP32_DOT)
             _store_logits(out_ptr + rows_a[None, :] * stride_out_row + n[:, None], _row_sums(s_a, w_a, PAGE, HALF, H),
@@ -361,7 +358,6 @@ def bf16_paged_mqa_logits(
     num_warps: int | None = None,
     num_stages: int | None = None,
     inline_store: bool | None = None,
-    k_tma: bool = False,
 ) -> torch.Tensor:
     """fp32 logits [rows, max_seq_len] of bf16 queries against the bf16 index-K pool (see module doc).
 
@@ -398,19 +394,15 @@ def bf16_paged_mqa_logits(
             splits = decode_splits(rows, max_seq_len, device=q.device, num_stages=num_stages,
                                    min_tiles=min_tiles, tile_pages=tile_pages)
         grid = (rows, int(splits))
-    kv_desc = None
-    if k_tma and r > 1:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-        kv_desc = TensorDescriptor.from_tensor(pages.view(-1, HEAD_DIM), [PAGE_SLOTS, HEAD_DIM])
     _logits_kernel[grid](
-        q, weights, pages, kv_desc, seq_lens, page_table, out,
+        q, weights, pages, seq_lens, page_table, out,
         q.stride(0), q.stride(1), weights.stride(0), page_table.stride(0), out.stride(0),
         rows, max_seq_len, int(splits), int(min_tiles), page_table.shape[1],
         H=q.shape[1], D=HEAD_DIM, PAGE=PAGE_SLOTS, R=r, TP=int(tile_pages), EARLY_Q=bool(early_q),
         PAGE_HINT=bool(page_hint), STRIDED=bool(strided),
         QLOOP_TILES=int(qloop_tiles) if tile_pages == 1 else 0, QLOOP_STAGES=int(qloop_stages), FP32_DOT=interpreting(),
         INLINE_STORE=(r == 1 and not interpreting()) if inline_store is None else bool(inline_store),
-        K_TMA=kv_desc is not None, num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
