@@ -30,7 +30,14 @@ Triton read of the keys and queries at 1.01-1.02 of TileLang at 512 pages; half 
 multiprocessor were no better; ``asmstore`` gains 0.5-1% on decode and 6-9% on target-verify
 (..._asmstore_0704fc0.json, ..._probes_04335b1.json); streaming stores and evict-first loads nothing.
 Under the pin's Triton 3.8 (bench/triton38_device.sh; ..._tiny_triton38_eeb4066.json) ``short_w8`` is the
-fastest on all six tiny pairs (0.96-1.12 of TileLang, the package kernel 1.09-1.19).
+fastest on all six tiny pairs (0.96-1.12 of TileLang, the package kernel 1.09-1.19), but on every shape
+(..._decode_triton38_f26718a.json, _b2626c2, _6f2b6f0) it is 8-12% slower than the package at 1 x 128k and
+2-8% from 8 x 32k on, and the host cannot tell a 4k row from a 128k row at the capture width: not adopted.
+The same runs put the package's inline stores 1-5% behind tl.store on decode of 1 and 8 rows (3-9% ahead on
+target-verify): the package now stores inline from ``INLINE_STORE_MIN_ROWS`` (16) rows on. Tried in 6f2b6f0
+and dropped: one 128-key product over a pair of pages a tile with 8 warps (1.1-1.4x the package's time
+everywhere), queries loaded only by programs that have keys (slower at the capture width, 3.68 against
+3.55 us at 1 x 4k), and 6 stages at 1 x 128k (1-2% faster there, 1% slower at 1 x 4k and 1 x 32k).
 
 Timing is bench/indexer_h200.py's: each kernel's launches in one CUDA graph over independent page draws
 (at least 512 MiB of keys per replay), alternating rounds (every kernel once a round), the median. Every
@@ -236,61 +243,6 @@ def _half_page_kernel(
 
 
 @triton.jit
-def _pair_kernel(
-    q_ptr, w_ptr, kv_ptr, seq_ptr, pt_ptr, out_ptr,
-    stride_q_row, stride_q_head, stride_w_row, stride_pt_row, stride_out_row, max_seq_len, splits, pt_cols,
-    H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, Q_IN_BRANCH: tl.constexpr, FP32_DOT: tl.constexpr,
-    INLINE_STORE: tl.constexpr,
-):
-    """The strided decode split over pairs of pages: program p of a row takes pairs p, p + P, ..., each scored
-    by one [128 keys x 128] x [128 x H] product (8 warps hold 128 rows without a cross-warp head sum, where one
-    page a tile with 8 warps needs one). The first pair's page ids are loaded with the length; with
-    Q_IN_BRANCH a program loads the queries only once it knows it has keys (idle programs of a wide grid load
-    nothing more)."""
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    pt_row = pt_ptr + row64 * stride_pt_row
-    out_row = out_ptr + row64 * stride_out_row
-    slot = tl.arange(0, 2 * PAGE)
-    dims = tl.arange(0, D)
-    in_page = (slot % PAGE)[:, None] * D + dims[None, :]
-    first = tl.load(pt_row + 2 * split + slot // PAGE, mask=2 * split + slot // PAGE < pt_cols, other=0)
-    w = tl.load(w_ptr + row64 * stride_w_row + tl.arange(0, H)).to(tl.float32)
-    q_t = 0
-    if not Q_IN_BRANCH:
-        q_t = _load_q_t(q_ptr + row64 * stride_q_row, stride_q_head, H, D)
-    seq = tl.minimum(tl.load(seq_ptr + row), max_seq_len)
-    n_pairs = tl.cdiv(tl.cdiv(seq, PAGE), 2)
-    active = tl.minimum(splits, n_pairs)
-    if (split < active) & (tl.min(first, axis=0) >= 0):
-        if Q_IN_BRANCH:
-            q_t = _load_q_t(q_ptr + row64 * stride_q_row, stride_q_head, H, D)
-        for t in range(split, n_pairs, active):
-            n = t * (2 * PAGE) + slot
-            live = n < seq
-            page = tl.load(pt_row + 2 * t + slot // PAGE, mask=live, other=0).to(tl.int64)
-            k = tl.load(kv_ptr + page[:, None] * (PAGE * D) + in_page, mask=live[:, None], other=0.0)
-            s = tl.sum(ml._tile_scores(k, q_t, w, FP32_DOT), axis=1)
-            ml._store_logits(out_row + n, s, live, INLINE_STORE)
-
-
-def pair_logits(q, pages, weights, seq_lens, page_table, max_seq_len, *, out, splits=None, num_warps=8, num_stages=4,
-                q_in_branch=False, inline_store=False):
-    """Launch the page-pair candidate; splits default to the package's wave-filling choice over pairs."""
-    q, weights, seq_lens, page_table = ml._normalize(q, weights, seq_lens, page_table)
-    rows = q.shape[0]
-    if splits is None:
-        splits = ml.decode_splits(rows, max_seq_len, device=q.device, num_stages=num_stages, tile_pages=2)
-    _pair_kernel[(rows, int(splits))](
-        q, weights, pages, seq_lens, page_table, out,
-        q.stride(0), q.stride(1), weights.stride(0), page_table.stride(0), out.stride(0), max_seq_len, int(splits),
-        page_table.shape[1], H=q.shape[1], D=D, PAGE=PAGE, Q_IN_BRANCH=bool(q_in_branch), FP32_DOT=interpreting(),
-        INLINE_STORE=bool(inline_store) and not interpreting(), num_warps=num_warps, num_stages=num_stages)
-    return out
-
-
-@triton.jit
 def _probe_kernel(
     q_ptr, w_ptr, kv_ptr, seq_ptr, pt_ptr, out_ptr,
     stride_q_row, stride_q_head, stride_w_row, stride_pt_row, stride_out_row, max_seq_len, splits, pt_cols,
@@ -413,12 +365,9 @@ def configs_for(b, live, width, verify=False):
            "short": ("candidate", dict(hint_tiles=2, short=True)),
            "short_w8": ("candidate", dict(hint_tiles=2, short=True, num_warps=8)),
            "base_tlstore": ("package", dict(inline_store=False)),
+           "base_inline": ("package", dict(inline_store=True)),
            "hint2": ("candidate", dict(hint_tiles=2, short=False)),
            "hint2_inline": ("candidate", dict(hint_tiles=2, short=False, inline_store=True)),
-           "short_w8_qin": ("candidate", dict(hint_tiles=2, short=True, num_warps=8, q_in_branch=True)),
-           "pair_w8_s4": ("pair", dict(num_stages=4)), "pair_w8_s6": ("pair", dict(num_stages=6)),
-           "pair_w8_s4_qin": ("pair", dict(num_stages=4, q_in_branch=True)),
-           "pair_w8_s8": ("pair", dict(num_stages=8)), "pair_w4_s4": ("pair", dict(num_stages=4, num_warps=4)),
            "tma": ("tma", {}),
            "tma_w8": ("tma", dict(num_warps=8)),
            "tma_qld": ("tma", dict(q_tma=False)),
@@ -431,9 +380,6 @@ def configs_for(b, live, width, verify=False):
     if (b, live) == (1, 131072):  # the one larger shape within 3% of TileLang: deeper or more programs
         cfg.update({"base_st6": ("package", dict(num_stages=6)), "base_st6_tlstore": ("package", dict(num_stages=6,
                     inline_store=False)), "base_s528": ("package", dict(splits=528))})
-    if b <= 8 and not verify:  # one wave of programs at two a multiprocessor, as the package's 8-stage kernel
-        cfg["pair_w8_s4_264p"] = ("pair", dict(num_stages=4, splits=max(1, 264 // b)))
-        cfg["pair_w8_s4_qin_264p"] = ("pair", dict(num_stages=4, splits=max(1, 264 // b), q_in_branch=True))
     if verify or (b, live) not in TINY:
         return cfg
     cfg.update({"base_st4": ("package", dict(num_stages=4)), "base_st6": ("package", dict(num_stages=6)),
@@ -494,8 +440,6 @@ def launcher(kind, kw, pool, width):
         return floor_launcher(kw, pool)
     if kind in ("diag_probe", "probe"):
         return lambda q, w, sl, pt, out: probe_logits(q, pool, w, sl, pt, width, out=out, **kw)
-    if kind == "pair":
-        return lambda q, w, sl, pt, out: pair_logits(q, pool, w, sl, pt, width, out=out, **kw)
     if kind == "half":
         return lambda q, w, sl, pt, out: half_page_logits(q, pool, w, sl, pt, width, out=out, **kw)
     if kind == "diag_h32":
@@ -765,7 +709,7 @@ def main():
             result["warm"] = {"error": f"{type(exc).__name__}: {str(exc)[-400:]}"}
             print("warm failed:", result["warm"], flush=True)
     kinds = args.kinds.split(",")
-    excluded = {"package", "candidate", "pair", "tma", "half", "probe", "diag_h32", "diag_l2", "diag_floor"} - set(kinds)
+    excluded = {"package", "candidate", "tma", "half", "probe", "diag_h32", "diag_l2", "diag_floor"} - set(kinds)
     result["kinds"] = kinds
     if args.preflight and not args.dry_cpu:
         result["preflight"] = preflight(kinds)

@@ -35,7 +35,8 @@ print("RESULT" + json.dumps(out))
 """
 
 # The default suite compiles one launch shape of each kernel; the other variants are `slow`.
-DEFAULT_SPECS = ("index_k_store[mode=1]", "index_query", "mqa_logits", "mqa_logits[prefill]", "page_checksum", "page_copy")
+DEFAULT_SPECS = ("index_k_store[mode=1]", "index_query", "mqa_logits", "mqa_logits[few-rows]", "mqa_logits[prefill]",
+                 "page_checksum", "page_copy")
 SLOW_SPECS = ("index_k_store[mode=0]", "index_k_store[mode=2]")
 
 
@@ -79,7 +80,7 @@ def test_shared_memory_fits_the_target(compiled, target):
 
 
 @pytest.mark.parametrize("target", ["sm_90", "sm_120"])
-@pytest.mark.parametrize("name", ["mqa_logits", "mqa_logits[prefill]"])
+@pytest.mark.parametrize("name", ["mqa_logits", "mqa_logits[few-rows]", "mqa_logits[prefill]"])
 def test_logits_key_pages_are_pipelined(compiled, target, name):
     res = compiled[target][name]
     assert res["ok"] and res["key_page_copies"] > 0, (

@@ -23,14 +23,15 @@ def _case(lens, gen, max_len):
     return q, w, pages, torch.tensor(lens, dtype=torch.int32, device="cuda"), pt.to(torch.int32)
 
 
-def test_logits_decode_shape_matches_fp32_reference():
+@pytest.mark.parametrize("inline_store", [False, True])  # the few-rows default and the inline stores from 16 rows on
+def test_logits_decode_shape_matches_fp32_reference(inline_store):
     from dsv4_sm120.kernels.mqa_logits import bf16_paged_mqa_logits, paged_mqa_logits_ref
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     lens = [32768] * 8 + [1, 511, 513, 70001]
     q, w, pages, sl, pt = _case(lens, gen, 70016)
     out = torch.full((len(lens), 70016), float("nan"), device="cuda")
-    bf16_paged_mqa_logits(q, pages, w, sl, pt, 70016, out=out)
+    bf16_paged_mqa_logits(q, pages, w, sl, pt, 70016, out=out, inline_store=inline_store)
     ref = paged_mqa_logits_ref(q, pages, w, sl, pt, 70016, rows_per_chunk=2)
     fin = torch.isfinite(ref)
     assert not out[fin].isnan().any(), "every live element written"

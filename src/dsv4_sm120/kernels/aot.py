@@ -43,19 +43,19 @@ def _store_spec(mode: int) -> KernelSpec:
                        "PAGE": PAGE_SLOTS})
 
 
-def _logits_spec(rows_per_program: int = 1) -> KernelSpec:
+def _logits_spec(rows_per_program: int = 1, inline_store: bool = True) -> KernelSpec:
     sig = {"q_ptr": "*bf16", "w_ptr": "*fp32", "kv_ptr": "*bf16", "seq_ptr": "*i32", "pt_ptr": "*i32",
            "out_ptr": "*fp32", "stride_q_row": "i64", "stride_q_head": "i64", "stride_w_row": "i64",
            "stride_pt_row": "i64", "stride_out_row": "i64", "n_rows": "i32", "max_seq_len": "i32", "splits": "i32",
            "min_tiles": "i32", "pt_cols": "i32"}
     cfg = mqa_logits.PREFILL_CONFIG if rows_per_program > 1 else mqa_logits.DECODE_CONFIG
-    name = "mqa_logits" if rows_per_program == 1 else "mqa_logits[prefill]"
+    name = "mqa_logits[prefill]" if rows_per_program > 1 else "mqa_logits" if inline_store else "mqa_logits[few-rows]"
     return KernelSpec(name, mqa_logits._logits_kernel, sig,
                       {"H": 64, "D": HEAD_DIM, "PAGE": PAGE_SLOTS, "R": rows_per_program, "TP": 1, "EARLY_Q": mqa_logits.EARLY_Q,
                        "PAGE_HINT": mqa_logits.PAGE_HINT,
                        "STRIDED": mqa_logits.STRIDED,
                        "QLOOP_TILES": mqa_logits.QLOOP_TILES, "QLOOP_STAGES": mqa_logits.QLOOP_STAGES, "FP32_DOT": False,
-                       "INLINE_STORE": rows_per_program == 1},
+                       "INLINE_STORE": rows_per_program == 1 and inline_store},
                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
@@ -66,6 +66,7 @@ KERNEL_SPECS = (
                 "n_heads": "i32"},
                {"BLOCK_N": index_query.BLOCK_N, "D": HEAD_DIM, "ROPE": ROPE_DIM}),
     _logits_spec(),
+    _logits_spec(inline_store=False),  # decode below INLINE_STORE_MIN_ROWS rows
     _logits_spec(mqa_logits.ROWS_PER_PROGRAM),
     KernelSpec("page_checksum", page_checksum._checksum_kernel,
                {"x_ptr": "*i32", "out_ptr": "*i64", "row_words": "i32", "stride_row": "i64"},

@@ -64,6 +64,10 @@ EARLY_Q = False  # contiguous split only
 QLOOP_TILES = 0  # strided split: programs of at most this many tiles load the queries inside the pipeline
 # (tune 5f3f1cc: faster only where a program has one tile, 1 x 4k; slower for long programs, so off)
 QLOOP_STAGES = 3
+# Inline logits stores (see _store_logits) from this many rows on. Under Triton 3.8 on the H200 they make
+# target-verify (16 and 128 rows) 3-9% faster but decode of 1 and 8 rows 1-5% slower (1 x 4k: 3.42 against
+# 3.59 us with tl.store; runs b2626c2 and 6f2b6f0, ..._decode_triton38_*.json); from 64 rows on they are within 1%.
+INLINE_STORE_MIN_ROWS = 16
 # Programs of the one-row kernel resident per multiprocessor, by pipeline depth, from the sm_90 build's shared
 # memory (q 16 KiB + num_stages // 2 key pages of 16 KiB: 49 / 66 / 82 KiB at 4 / 6 / 8 stages, of 228 KiB);
 # registers (72) do not bind.
@@ -368,8 +372,9 @@ def bf16_paged_mqa_logits(
     scores R consecutive rows and loads each key page they share once; rows whose pages differ (another
     request) are scored again on their own pages, so the result does not depend on R. ``inline_store``
     stores the logits with inline st.global (see ``_store_logits``); the default is on a GPU with one row
-    per program (H200, Triton 3.8: target-verify 5-9% faster) and off in prefill, where the head sum's
-    layout holds each of the R rows' logits in many threads (12-18% slower there).
+    per program and at least ``INLINE_STORE_MIN_ROWS`` rows (H200, Triton 3.8: target-verify 3-9% faster,
+    decode of 1 and 8 rows 1-5% slower), and off in prefill, where the head sum's layout holds each of the
+    R rows' logits in many threads (12-18% slower there).
     """
     check_pages(pages)
     q, weights, seq_lens, page_table = _normalize(q, weights, seq_lens, page_table)
@@ -401,7 +406,8 @@ def bf16_paged_mqa_logits(
         H=q.shape[1], D=HEAD_DIM, PAGE=PAGE_SLOTS, R=r, TP=int(tile_pages), EARLY_Q=bool(early_q),
         PAGE_HINT=bool(page_hint), STRIDED=bool(strided),
         QLOOP_TILES=int(qloop_tiles) if tile_pages == 1 else 0, QLOOP_STAGES=int(qloop_stages), FP32_DOT=interpreting(),
-        INLINE_STORE=(r == 1 and not interpreting()) if inline_store is None else bool(inline_store),
+        INLINE_STORE=(r == 1 and rows >= INLINE_STORE_MIN_ROWS and not interpreting()) if inline_store is None
+        else bool(inline_store),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
