@@ -215,7 +215,7 @@ def _logits_kernel(
     n_rows, max_seq_len, splits, min_tiles, pt_cols,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, R: tl.constexpr, TP: tl.constexpr,
     EARLY_Q: tl.constexpr, PAGE_HINT: tl.constexpr, STRIDED: tl.constexpr, QLOOP_TILES: tl.constexpr,
-    QLOOP_STAGES: tl.constexpr, FP32_DOT: tl.constexpr, INLINE_STORE: tl.constexpr,
+    QLOOP_STAGES: tl.constexpr, FP32_DOT: tl.constexpr, INLINE_STORE: tl.constexpr, JOIN_STORE: tl.constexpr,
 ):
     if R == 1 and STRIDED:  # decode: program (row, split) scores tiles split, split + P, ... of the row
         row = tl.program_id(0)
@@ -298,10 +298,19 @@ def _logits_kernel(
             k = tl.load(kv_ptr + page.to(tl.int64) * (PAGE * D) + in_page, mask=(n < seq_hi)[:, None], other=0.0)
             s_a = _products(k, q_a, FP32_DOT)
             s_b = _products(k, q_b, FP32_DOT)
-            _store_logits(out_ptr + rows_a[None, :] * stride_out_row + n[:, None], _row_sums(s_a, w_a, PAGE, HALF, H),
-                          (n[:, None] < seqs_a[None, :]) & (mine_a == page)[None, :], INLINE_STORE)
-            _store_logits(out_ptr + rows_b[None, :] * stride_out_row + n[:, None], _row_sums(s_b, w_b, PAGE, HALF, H),
-                          (n[:, None] < seqs_b[None, :]) & (mine_b == page)[None, :], INLINE_STORE)
+            ptr_a = out_ptr + rows_a[None, :] * stride_out_row + n[:, None]
+            ptr_b = out_ptr + rows_b[None, :] * stride_out_row + n[:, None]
+            keep_a = (n[:, None] < seqs_a[None, :]) & (mine_a == page)[None, :]
+            keep_b = (n[:, None] < seqs_b[None, :]) & (mine_b == page)[None, :]
+            if JOIN_STORE:  # both halves' logits in one store: one layout change (and barrier) a tile, not two
+                mine = tl.load(pt_ptr + rows * stride_pt_row + t, mask=t * PAGE < seqs, other=page)
+                vals = tl.reshape(tl.permute(tl.join(_row_sums(s_a, w_a, PAGE, HALF, H),
+                                                     _row_sums(s_b, w_b, PAGE, HALF, H)), (0, 2, 1)), (PAGE, R))
+                _store_logits(out_ptr + rows[None, :] * stride_out_row + n[:, None], vals,
+                              (n[:, None] < seqs[None, :]) & (mine == page)[None, :], INLINE_STORE)
+            else:
+                _store_logits(ptr_a, _row_sums(s_a, w_a, PAGE, HALF, H), keep_a, INLINE_STORE)
+                _store_logits(ptr_b, _row_sums(s_b, w_b, PAGE, HALF, H), keep_b, INLINE_STORE)
         if tl.maximum(tl.max(other_a, axis=0), tl.max(other_b, axis=0)) > 0:  # rows of different requests in
             tl.debug_barrier()  # one group: each scores its own pages
             for i in tl.static_range(R):
@@ -362,6 +371,7 @@ def bf16_paged_mqa_logits(
     num_warps: int | None = None,
     num_stages: int | None = None,
     inline_store: bool | None = None,
+    join_store: bool = False,
 ) -> torch.Tensor:
     """fp32 logits [rows, max_seq_len] of bf16 queries against the bf16 index-K pool (see module doc).
 
@@ -408,7 +418,7 @@ def bf16_paged_mqa_logits(
         QLOOP_TILES=int(qloop_tiles) if tile_pages == 1 else 0, QLOOP_STAGES=int(qloop_stages), FP32_DOT=interpreting(),
         INLINE_STORE=(r == 1 and rows >= INLINE_STORE_MIN_ROWS and not interpreting()) if inline_store is None
         else bool(inline_store),
-        num_warps=num_warps, num_stages=num_stages,
+        JOIN_STORE=bool(join_store), num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
