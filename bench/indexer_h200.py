@@ -520,12 +520,9 @@ TUNE_DECODE = ([dict(_TD)] + [dict(_TD, qloop_tiles=qt, qloop_stages=qs) for qt,
                + [dict(_TD, num_stages=6, qloop_tiles=2, qloop_stages=3)])
 TUNE_PREFILL = ([dict(rows_per_program=1, num_warps=4, num_stages=3),
                  dict(rows_per_program=4, num_warps=4, num_stages=3, inline_store=True)]
-                + [dict(rows_per_program=4, num_warps=4, num_stages=ns, join_store=j) for ns in (2, 3, 4)
-                   for j in (False, True)]
-                + [dict(rows_per_program=4, num_warps=4, num_stages=3, join_store=True, inline_store=True)])
-TUNE_PREFILL_LONG = [dict(rows_per_program=1, num_warps=4, num_stages=3), dict(rows_per_program=4, num_warps=4, num_stages=3),
-                     dict(rows_per_program=4, num_warps=4, num_stages=3, join_store=True),
-                     dict(rows_per_program=4, num_warps=4, num_stages=2, join_store=True)]
+                + [dict(rows_per_program=r, num_warps=4, num_stages=ns) for r in (2, 4) for ns in (2, 3, 4)])
+TUNE_PREFILL_LONG = [dict(rows_per_program=1, num_warps=4, num_stages=3), dict(rows_per_program=4, num_warps=4, num_stages=2),
+                     dict(rows_per_program=4, num_warps=4, num_stages=3)]
 
 
 def _decode_splits(rows, width, programs, min_tiles, tile_pages):

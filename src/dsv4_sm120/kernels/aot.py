@@ -55,7 +55,7 @@ def _logits_spec(rows_per_program: int = 1, inline_store: bool = True) -> Kernel
                        "PAGE_HINT": mqa_logits.PAGE_HINT,
                        "STRIDED": mqa_logits.STRIDED,
                        "QLOOP_TILES": mqa_logits.QLOOP_TILES, "QLOOP_STAGES": mqa_logits.QLOOP_STAGES, "FP32_DOT": False,
-                       "INLINE_STORE": rows_per_program == 1 and inline_store, "JOIN_STORE": False},
+                       "INLINE_STORE": rows_per_program == 1 and inline_store},
                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
