@@ -31,8 +31,8 @@ the work per program is set on the device from the live length, so a request wit
 Prefill: one program scores ``ROWS_PER_PROGRAM`` (4) consecutive query rows. A
 request's rows share its page table, so each key page is loaded once for the four
 rows and scored by two [64 keys x 128] x [128 x 2*64 heads] products, both issued before
-either's head sums (the key tile's trips from L2 were the limit with one row per program; one
-[128 x 4*64] product held more registers than the program has, and spilled). Where the rows'
+either's head sums, which are joined into one store (the key tile's trips from L2 were the limit with
+one row per program; one [128 x 4*64] product held more registers than the program has, and spilled). Where the rows'
 page ids differ (rows of two requests in one group), the program stores only the
 rows that read the group's page and then scores the others again on their own
 pages, so the output is the same for any grouping (bit for bit on the H200).
