@@ -88,6 +88,37 @@ def test_logits_key_pages_are_pipelined(compiled, target, name):
         f"figures in bench/results assume it is")
 
 
+DECODE_SMEM = r"""
+import dataclasses, json, sys
+from dsv4_sm120.kernels import aot
+target = sys.argv[1]
+out = {}
+for stages in (4, 6, 8):
+    for inline in (True, False):
+        spec = dataclasses.replace(aot._logits_spec(1, inline_store=inline), num_stages=stages)
+        out[f"{stages}/{inline}"] = aot.compile_for(spec, aot.TARGETS[target]).metadata.shared
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_decode_smem_estimate_covers_the_builds():
+    """decode_splits counts resident programs from mqa_logits.decode_program_smem: it must not be under what the
+    build holds (programs would not fit and the waves would be miscounted) nor far above it."""
+    from dsv4_sm120.kernels.mqa_logits import decode_program_smem
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    procs = {t: subprocess.Popen([sys.executable, "-c", DECODE_SMEM, t], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for t in ("sm_90", "sm_120")}
+    for target, proc in procs.items():
+        out, err = proc.communicate(timeout=600)
+        line = next((ln for ln in out.splitlines() if ln.startswith("RESULT")), None)
+        assert line is not None, f"compile subprocess for {target} failed:\n{err[-3000:]}"
+        major = 9 if target == "sm_90" else 12
+        for key, shared in json.loads(line[len("RESULT"):]).items():
+            est = decode_program_smem(int(key.split("/")[0]), major=major)
+            assert shared <= est <= shared + 2048, f"{target} {key}: build {shared} B, estimate {est} B"
+
+
 @pytest.mark.slow
 def test_other_launch_shapes_compile():
     results = _compile_all(SLOW_SPECS)

@@ -237,6 +237,20 @@ def test_decode_splits_fill_whole_waves(kern):
         assert 1 <= sp and rows * sp <= 4 * slots
 
 
+def test_decode_residency_follows_the_gpus_shared_memory(kern, monkeypatch):
+    ml = kern.mqa_logits
+    # the H200 figures the decode tunes were taken with (bench/results/indexer_h200_2026-12-01_tune_*.json)
+    assert {ns: ml.resident_programs(ml._H200, ns) for ns in range(2, 9)} == {2: 6, 3: 6, 4: 4, 5: 4, 6: 3, 7: 3, 8: 2}
+    # sm_120 (RTX PRO 6000: 188 multiprocessors, 100 KiB of shared memory each; its build keeps the queries in
+    # registers): one 8-stage program a multiprocessor, so one wave is 188 programs, not 376
+    sm120 = dict(major=12, multi_processor_count=188, shared_memory_per_multiprocessor=102400,
+                 max_threads_per_multi_processor=1536)
+    assert [ml.resident_programs(sm120, ns) for ns in (4, 6, 8)] == [2, 2, 1]
+    monkeypatch.setattr(ml, "_device_props", lambda device: sm120)
+    assert ml.decode_splits(1, 262144, device=torch.device("cpu"), num_stages=8) == 188
+    assert ml.decode_splits(8, 262144, device=torch.device("cpu"), num_stages=8) == 188 // 8
+
+
 def test_logits_bad_input(kern):
     q, w, pages, sl, pt = logits_case([70], 16, _gen(10))
     with pytest.raises(ValueError, match="q must be bf16"):

@@ -68,34 +68,56 @@ QLOOP_STAGES = 3
 # target-verify (16 and 128 rows) 3-9% faster but decode of 1 and 8 rows 1-5% slower (1 x 4k: 3.42 against
 # 3.59 us with tl.store; runs b2626c2 and 6f2b6f0, ..._decode_triton38_*.json); from 64 rows on they are within 1%.
 INLINE_STORE_MIN_ROWS = 16
-# Programs of the one-row kernel resident per multiprocessor, by pipeline depth, from the sm_90 build's shared
-# memory (q 16 KiB + num_stages // 2 key pages of 16 KiB: 49 / 66 / 82 KiB at 4 / 6 / 8 stages, of 228 KiB);
-# registers (72) do not bind.
-CTAS_PER_SM = {2: 6, 3: 6, 4: 4, 5: 4, 6: 3, 7: 3, 8: 2}
-_SM_COUNT: dict = {}
+# The one-row kernel's shared memory, from which its residency follows: num_stages // 2 key pages in flight, and
+# on Hopper (wgmma reads its second operand from shared memory) the row's queries too. The AOT builds at 4-8
+# stages hold 4-524 B more than the pages and queries (sm_90: 49-82 KiB, sm_120: 33-66 KiB);
+# tests/kernels/test_aot_compile.py keeps this estimate at or above them, within 2 KiB. The driver keeps 1 KiB
+# more a program. Registers (72 a thread) never bind first.
+_SCRATCH_SMEM = 1024  # the stores' layout-change scratch and the page-id buffers (measured 4-524 B)
+_RESERVED_SMEM = 1024  # per program, by the driver
+_H200 = dict(major=9, multi_processor_count=132, shared_memory_per_multiprocessor=233472,
+             max_threads_per_multi_processor=2048)  # the stand-in off a GPU (interpreter, CPU tests)
+_DEVICE_PROPS: dict = {}
 
 
-def _sm_count(device: torch.device) -> int:
+def decode_program_smem(num_stages: int, *, major: int, heads: int = 64) -> int:
+    """Estimated shared bytes of one decode program (see above) on a GPU of compute capability ``major``."""
+    queries = heads * HEAD_DIM * 2 if major == 9 else 0
+    return (num_stages // 2) * PAGE_SLOTS * HEAD_DIM * 2 + queries + _SCRATCH_SMEM
+
+
+def _device_props(device: torch.device) -> dict:
     if device.type != "cuda" or interpreting():
-        return 132
+        return _H200
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+    if idx not in _DEVICE_PROPS:
+        p = torch.cuda.get_device_properties(idx)
+        _DEVICE_PROPS[idx] = {k: getattr(p, k) for k in _H200}
+    return _DEVICE_PROPS[idx]
+
+
+def resident_programs(props: dict, num_stages: int, num_warps: int = 4, heads: int = 64) -> int:
+    """Decode programs one multiprocessor of a GPU with these properties holds at once: on the H200 (228 KiB
+    of shared memory) 2 at 8 stages, 3 at 6, 4 at 4; on an sm_120 GPU (100 KiB) 1 at 8 stages, 2 at 4 to 7."""
+    smem = decode_program_smem(num_stages, major=props["major"], heads=heads) + _RESERVED_SMEM
+    by_smem = props["shared_memory_per_multiprocessor"] // smem
+    by_threads = props["max_threads_per_multi_processor"] // (32 * num_warps)
+    return max(1, min(by_smem, by_threads))
 
 
 def decode_splits(rows: int, max_seq_len: int, *, device: torch.device, num_stages: int, min_tiles: int = 1,
-                  tile_pages: int = 1) -> int:
+                  tile_pages: int = 1, num_warps: int = 4, heads: int = 64) -> int:
     """Programs per row for the one-row kernel: the fewest splits whose programs fill whole waves best.
 
-    A wave is ``CTAS_PER_SM[num_stages]`` programs on each multiprocessor. For rows whose keys fill the
+    A wave is ``resident_programs`` on each multiprocessor of ``device``. For rows whose keys fill the
     width, time goes with (waves) x (tiles per program), so a split count whose programs end just under a
     whole number of waves wins (e.g. 256 rows on 132 x 3 slots: 3 splits, 768 programs in 2 waves, beat 2
     splits, 512 programs in 1.3 waves, by 11% on the H200); each extra wave must gain 10% of fill (rows much
     shorter than the width leave most programs idle, and a second wave then only adds latency). Never more
     splits than the width has tiles.
     """
-    slots = CTAS_PER_SM.get(num_stages, 2) * _sm_count(device)
+    props = _device_props(device)
+    slots = resident_programs(props, num_stages, num_warps, heads) * props["multi_processor_count"]
     max_splits = max(1, triton.cdiv(max_seq_len, PAGE_SLOTS * tile_pages * min_tiles))
     upper = min(max_splits, max(1, (4 * slots) // rows))  # at most about 4 waves
     best, best_score = 1, -1.0
@@ -388,7 +410,7 @@ def bf16_paged_mqa_logits(
     else:
         if splits is None:
             splits = decode_splits(rows, max_seq_len, device=q.device, num_stages=num_stages,
-                                   min_tiles=min_tiles, tile_pages=tile_pages)
+                                   min_tiles=min_tiles, tile_pages=tile_pages, num_warps=num_warps, heads=q.shape[1])
         grid = (rows, int(splits))
     _logits_kernel[grid](
         q, weights, pages, seq_lens, page_table, out,
