@@ -139,13 +139,9 @@ def _candidate_kernel(
     Q_IN_BRANCH: tl.constexpr, HAS_LONG: tl.constexpr, FP32_DOT: tl.constexpr, INLINE_STORE: tl.constexpr,
 ):
     """The package's strided decode split (program p of a row takes tiles p, p + P, ...) with the variants above."""
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    pt_row = pt_ptr + row64 * stride_pt_row
+    row, split, row64, pt_row, out_row, first_page = _program_row(pt_ptr, out_ptr, stride_pt_row, stride_out_row,
+                                                                   pt_cols)
     q_row = q_ptr + row64 * stride_q_row
-    out_row = out_ptr + row64 * stride_out_row
-    first_page = tl.load(pt_row + split, mask=split < pt_cols, other=0)
     pages, pages_ok = _hinted_page_ids(pt_row, first_page, split, splits, pt_cols, PAGE, HINT_TILES)
     w = tl.load(w_ptr + row64 * stride_w_row + tl.arange(0, H)).to(tl.float32)
     q_t = 0
@@ -171,13 +167,15 @@ def _candidate_kernel(
 
 
 @triton.jit
-def _program_row(pt_ptr, out_ptr, stride_pt_row, stride_out_row, pt_cols):
-    """A decode program's row and split, its row's page table and output, and its first tile's page id."""
+def _program_row(pt_ptr, out_ptr, stride_pt_row, stride_out_row, pt_cols, SPLITS_PER_PAGE: tl.constexpr = 1):
+    """A decode program's row and split, its row's page table and output, and its first tile's page id
+    (SPLITS_PER_PAGE: tiles of a page, 2 for half pages)."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     row64 = row.to(tl.int64)
     pt_row = pt_ptr + row64 * stride_pt_row
-    return row, split, row64, pt_row, out_ptr + row64 * stride_out_row, tl.load(pt_row + split, mask=split < pt_cols,
+    first = split // SPLITS_PER_PAGE
+    return row, split, row64, pt_row, out_ptr + row64 * stride_out_row, tl.load(pt_row + first, mask=first < pt_cols,
                                                                                other=0)
 
 
@@ -219,12 +217,8 @@ def _half_page_kernel(
     """The strided decode split over half pages (32 keys): a row of few pages spreads over twice the programs,
     so each multiprocessor moves half a page of keys (TileLang's fp8 page is about half of ours)."""
     HALF: tl.constexpr = PAGE // 2
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    pt_row = pt_ptr + row64 * stride_pt_row
-    out_row = out_ptr + row64 * stride_out_row
-    first_page = tl.load(pt_row + split // 2, mask=split // 2 < pt_cols, other=0)
+    row, split, row64, pt_row, out_row, first_page = _program_row(pt_ptr, out_ptr, stride_pt_row, stride_out_row,
+                                                                   pt_cols, SPLITS_PER_PAGE=2)
     q_t, w = ml._load_row_q(q_ptr + row64 * stride_q_row, w_ptr + row64 * stride_w_row, stride_q_head, H, D)
     seq = tl.minimum(tl.load(seq_ptr + row), max_seq_len)
     n_halves = tl.cdiv(seq, HALF)

@@ -40,9 +40,10 @@ DEFAULT_SPECS = ("index_k_store[mode=1]", "index_query", "mqa_logits", "mqa_logi
 SLOW_SPECS = ("index_k_store[mode=0]", "index_k_store[mode=2]")
 
 
-def _compile_all(names):
+def _per_target(script, *args):
+    """Run ``script`` once per target, side by side, each in its own process; its RESULT line, per target."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    procs = {t: subprocess.Popen([sys.executable, "-c", COMPILE, t, ",".join(names)], env=env,
+    procs = {t: subprocess.Popen([sys.executable, "-c", script, t, *args], env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for t in ("sm_90", "sm_120")}
     results = {}
@@ -52,6 +53,10 @@ def _compile_all(names):
         assert line is not None, f"compile subprocess for {target} failed:\n{err[-3000:]}"
         results[target] = json.loads(line[len("RESULT"):])
     return results
+
+
+def _compile_all(names):
+    return _per_target(COMPILE, ",".join(names))
 
 
 @pytest.fixture(scope="module")
@@ -106,15 +111,9 @@ def test_decode_smem_estimate_covers_the_builds():
     build holds (programs would not fit and the waves would be miscounted) nor far above it."""
     from dsv4_sm120.kernels.mqa_logits import decode_program_smem
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    procs = {t: subprocess.Popen([sys.executable, "-c", DECODE_SMEM, t], env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for t in ("sm_90", "sm_120")}
-    for target, proc in procs.items():
-        out, err = proc.communicate(timeout=600)
-        line = next((ln for ln in out.splitlines() if ln.startswith("RESULT")), None)
-        assert line is not None, f"compile subprocess for {target} failed:\n{err[-3000:]}"
+    for target, builds in _per_target(DECODE_SMEM).items():
         major = 9 if target == "sm_90" else 12
-        for key, shared in json.loads(line[len("RESULT"):]).items():
+        for key, shared in builds.items():
             est = decode_program_smem(int(key.split("/")[0]), major=major)
             assert shared <= est <= shared + 2048, f"{target} {key}: build {shared} B, estimate {est} B"
 
