@@ -17,6 +17,7 @@ nothing calls it while a model is built.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import sys
@@ -72,7 +73,25 @@ def _publish(ckpt: Path, **extra):
     args = ServerArgs(model_path=str(ckpt), device="cpu", model_impl="dsv4", skip_tokenizer_init=True,
                       page_size=256, kv_cache_dtype="fp8_e4m3", **extra)
     runtime_context.publish(args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=0))
+    _log_as_a_server_does(args)
     return ModelConfig.from_server_args(args)
+
+
+class _Lines(logging.Handler):
+    """Keeps what reaches the root logger's handlers, as the server's log would show it."""
+
+    lines: list = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _log_as_a_server_does(args) -> None:
+    """sglang's own logger set-up at the launch's default ``--log-level``, then a handler that keeps lines."""
+    from sglang.srt.utils.common import configure_logger
+
+    configure_logger(args)
+    logging.getLogger().addHandler(_Lines())
 
 
 def _build(ckpt: Path, index_k_dtype: str, **server_extra) -> dict:
@@ -83,6 +102,7 @@ def _build(ckpt: Path, index_k_dtype: str, **server_extra) -> dict:
 
     os.environ["DSV4_SM120_INDEX_K_DTYPE"] = index_k_dtype
     model_config = _publish(ckpt, **server_extra)
+    _Lines.lines.clear()
     try:
         model = DeepseekV4ForCausalLMSM120(model_config.hf_config, None)
     except Exception as exc:  # the refusal scenarios report the error they got
@@ -95,6 +115,7 @@ def _build(ckpt: Path, index_k_dtype: str, **server_extra) -> dict:
         "bf16_indexers": model.bf16_indexers,
         "index_k_dtype": model.index_k_dtype,
         "c4_layers": [i for i, r in enumerate(model_config.hf_config.compress_ratios) if r == 4],
+        "built_lines": [ln for ln in _Lines.lines if ln.startswith("dsv4-sm120: built")],
     }
     if indexers:  # the dtypes upstream's compressor hands the index-K store in production
         comp = indexers[0].compressor

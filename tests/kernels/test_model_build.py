@@ -37,6 +37,15 @@ def test_bf16_build_swaps_every_c4_indexer(built):
     assert res["bf16_indexers"] == res["n_bf16"] == 2 and res["index_k_dtype"] == "bf16"
 
 
+def test_the_build_says_once_at_the_default_log_level_what_it_built(built):
+    assert built["bf16"]["built_lines"] == [
+        "dsv4-sm120: built DeepseekV4ForCausalLMSM120 with bf16 index keys: "
+        "2 of 2 C4 indexers replaced by BF16C4Indexer, 0 upstream C4Indexer left"]
+    assert built["fp8"]["built_lines"] == [
+        "dsv4-sm120: built DeepseekV4ForCausalLMSM120 with fp8 index keys: "
+        "0 of 2 C4 indexers replaced by BF16C4Indexer, 2 upstream C4Indexer left"]
+
+
 def test_fp8_build_is_upstreams_indexer(built):
     res = built["fp8"]
     assert res["indexer_types"] == ["C4Indexer"] and res["bf16_indexers"] == 0 and res["index_k_dtype"] == "fp8"

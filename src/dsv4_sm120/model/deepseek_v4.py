@@ -17,6 +17,8 @@ built. With ``fp8`` the model is upstream's, indexer included.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from sglang.srt.layers.attention.dsv4 import indexer as upstream_indexer
@@ -30,6 +32,7 @@ from dsv4_sm120.kernels.index_query import index_query_bf16
 from dsv4_sm120.kernels.mqa_logits import bf16_paged_mqa_logits
 
 C4_RATIO = 4
+logger = logging.getLogger("dsv4_sm120.model")
 
 
 class BF16IndexerUnsupported(RuntimeError):
@@ -196,3 +199,15 @@ class DeepseekV4ForCausalLMSM120(DeepseekV4ForCausalLM):
             self.bf16_indexers = use_bf16_indexers(self, hisparse=bool(get_memory().enable_hisparse))
         else:
             self.bf16_indexers = 0
+        logger.info(built_line(self))
+
+
+def built_line(model: torch.nn.Module) -> str:
+    """The one line a server logs when it builds the model: which class, which index keys, which indexers.
+
+    It is the operator's proof, at the default log level, that ``--model-impl dsv4`` took effect and how.
+    """
+    c4 = [m for m in model.modules() if isinstance(m, C4Indexer)]
+    bf16 = sum(type(m) is BF16C4Indexer for m in c4)
+    return (f"dsv4-sm120: built {type(model).__name__} with {model.index_k_dtype} index keys: "
+            f"{bf16} of {len(c4)} C4 indexers replaced by BF16C4Indexer, {len(c4) - bf16} upstream C4Indexer left")

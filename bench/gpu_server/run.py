@@ -1,0 +1,125 @@
+"""``python -m bench.gpu_server run``: start real sglang servers on this GPU host, run scenarios, stop them all.
+
+Run it from the repository root with the unpacked bundle's environment (``source <root>/env.sh``). It starts
+every server of the chosen scenario set at once on 127.0.0.1 (they share the GPU; each takes a fixed share
+of its memory), waits until each answers ``/health_generate``, sends the scenario's traffic to one server at
+a time, stops every process it started (by process group, also on errors and Ctrl-C) and writes one JSON:
+date, device, commit, the versions that ran, each server's exact launch line and environment, start-up
+times, what (if anything) was replaced, and the scenario's figures. Server logs are kept in ``--logs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from bench.gpu_server import scenarios
+from bench.gpu_server.servers import Started, launch_line, start
+from tests.e2e.servers import log_tail
+
+SETS = {"serve": (scenarios.serve_specs, scenarios.run_serve), "cost": (scenarios.cost_specs, scenarios.run_cost)}
+VERSIONS_PY = (
+    "import json, importlib.metadata as m\n"
+    "names = ['torch', 'triton', 'sglang', 'sglang-kernel', 'sgl-kernel', 'sgl-deep-gemm', 'deep-gemm',\n"
+    "         'sgl-flash-mla', 'tilelang', 'apache-tvm-ffi', 'transformers', 'dsv4-sm120', 'nvidia-nccl-cu13']\n"
+    "out = {}\n"
+    "for n in names:\n"
+    "    try: out[n] = m.version(n)\n"
+    "    except m.PackageNotFoundError: pass\n"
+    "import torch\n"
+    "out['torch.cuda'] = torch.version.cuda\n"
+    "out['nccl'] = '.'.join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None\n"
+    "print(json.dumps(out))\n"
+)
+
+
+def _sh(argv: list[str]) -> str:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=120).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def host_facts() -> dict:
+    """Device, driver, versions of what this environment imports (read in a child interpreter)."""
+    gpu = _sh(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
+    versions = _sh([sys.executable, "-c", VERSIONS_PY])
+    return {"device": gpu, "python": sys.version.split()[0],
+            "versions": json.loads(versions) if versions.startswith("{") else {"error": "could not read versions"}}
+
+
+def _wait_all(started: list[Started], timeout: float) -> None:
+    """Until every server answers /health_generate; the first to die or time out raises with its log tail."""
+    def one(s: Started) -> None:
+        s.proc.wait_ready("/health_generate", timeout)
+        s.healthy_after_s = round(time.monotonic() - s.started_at, 1)
+
+    with ThreadPoolExecutor(len(started)) as pool:
+        for fut in [pool.submit(one, s) for s in started]:
+            fut.result()
+
+
+def _keep_logs(log_dir: Path, out_dir: Path) -> None:
+    """The run's server logs as one xz tar beside the JSON (a GPU host may give back only a few files)."""
+    with tarfile.open(out_dir / f"{log_dir.name}.tar.xz", "w:xz") as tar:
+        for log in sorted(log_dir.glob("*.log")):
+            tar.add(log, arcname=f"{log_dir.name}/{log.name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu_server run", description=__doc__.splitlines()[0])
+    ap.add_argument("set", choices=sorted(SETS), help="serve: scenarios a, b, e, f (tiny); cost: scenario c (flash12)")
+    ap.add_argument("--bundle", type=Path, default=Path(os.environ.get("DSV4_BUNDLE_ROOT", "/tmp/dsv4-bundle/root")),
+                    help="the unpacked bundle (its models/ holds the checkpoints)")
+    ap.add_argument("--out", type=Path, required=True, help="the JSON to write")
+    ap.add_argument("--logs", type=Path, default=None, help="server logs (default: beside --out)")
+    ap.add_argument("--commit", default=os.environ.get("COMMIT", ""), help="the project's commit being run")
+    ap.add_argument("--startup-timeout", type=float, default=480.0)
+    ap.add_argument("--only", default="", help="comma-separated server names of the set (default: all)")
+    args = ap.parse_args(argv)
+
+    make_specs, run_set = SETS[args.set]
+    specs = [s for s in make_specs() if not args.only or s.name in args.only.split(",")]
+    log_dir = args.logs or args.out.parent / f"logs_{args.set}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": args.commit, "set": args.set, **host_facts(),
+        "bundle": json.loads((args.bundle / "bundle.json").read_text()) if (args.bundle / "bundle.json").exists() else None,
+        "replaced": [],  # upstream calls routed elsewhere: none; a run that needs one names it here
+        "servers": {},
+    }
+    started: list[Started] = []
+    t0 = time.monotonic()
+    try:
+        started = [start(s, args.bundle / "models", log_dir) for s in specs]
+        _wait_all(started, args.startup_timeout)
+        record["servers"] = {s.spec.name: {"launch": launch_line(s), "healthy_after_s": s.healthy_after_s}
+                             for s in started}
+        urls = {s.spec.name: s.url for s in started}
+        logs = {s.spec.name: (lambda p=s.proc.log: p.read_text(errors="replace")) for s in started}
+        record["results"] = run_set(urls, logs) if args.set == "serve" else run_set(urls)
+        record["dead_after_traffic"] = [s.spec.name for s in started if not s.proc.alive()]
+    except Exception as exc:  # the JSON says what failed; the logs are kept either way
+        record["error"] = f"{type(exc).__name__}: {exc}"
+        record["log_tails"] = {s.spec.name: log_tail(s.proc.log, 80) for s in started}
+    finally:
+        for s in started:
+            s.proc.stop()
+        record["wall_s"] = round(time.monotonic() - t0, 1)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=1, default=str) + "\n")
+        _keep_logs(log_dir, args.out.parent)
+    print(json.dumps({k: record[k] for k in ("date", "device", "set", "wall_s") if k in record}))
+    if "error" in record:
+        print(record["error"][:4000], file=sys.stderr)
+        return 1
+    return 0

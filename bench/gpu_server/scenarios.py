@@ -1,0 +1,193 @@
+"""What a GPU serving run does with its servers, and the figures it keeps.
+
+``serve`` (issue scenarios a, b, e, f) on the ``tiny`` checkpoint: upstream (``--model-impl sglang``), the
+package with bf16 keys and the package with fp8 keys, eager and with decode CUDA graphs, serve a grid of
+greedy batches (1, 8 and 64 prompts, 128 to 16384 tokens: past 2048 tokens the top-512 selection is
+active); every batch is sent three times with prompts of the same shape, so the first request of each new
+shape can be held against the same shape's steady state. The fp8 package server must give upstream's
+tokens request for request; the bf16 and fp8 top-512 selections of the same rows are compared on one
+forward each; every package server must say once, in its log, what it built.
+
+``cost`` (scenario c) on ``flash12``: decode step and prefill time of the package (bf16 keys) against
+upstream with each of its production fp8 indexer kernels, servers visited in ABBA order.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from bench.gpu_server import models, traffic
+from bench.gpu_server.servers import ServerSpec
+
+GRID = [(1, 128), (1, 2048), (1, 4096), (1, 16384), (8, 128), (8, 4096), (8, 16384), (64, 128), (64, 2048)]
+NEW_TOKENS = 16
+REPEATS = 3  # the first call of a shape, then two of the same shape with other prompts
+OVERLAP_CONTEXTS = [4096, 8192, 16384]
+MODEL_BUILT_MARK = "dsv4-sm120: built"
+
+
+def serve_specs() -> list[ServerSpec]:
+    capture = ["--enable-return-indexer-topk"]
+    return [
+        ServerSpec("sglang_graph", "tiny", "sglang"),
+        ServerSpec("dsv4_graph", "tiny", "dsv4"),
+        ServerSpec("dsv4fp8_graph", "tiny", "dsv4", index_k="fp8"),
+        ServerSpec("sglang_eager", "tiny", "sglang", graphs=False, extra_args=capture),
+        ServerSpec("dsv4_eager", "tiny", "dsv4", graphs=False, extra_args=capture),
+    ]
+
+
+def _grid(url: str, vocab: int) -> list[dict]:
+    points = []
+    for i, (batch, length) in enumerate(GRID):
+        calls = []
+        for rep in range(REPEATS):
+            ids = traffic.prompts(100 * i + rep, batch, length, vocab)
+            seconds, results = traffic.generate(url, ids, NEW_TOKENS)
+            calls.append({"seconds": round(seconds, 4), "outputs": [traffic.digest(r) for r in results],
+                          "first_tokens": traffic.output_ids(results[0])[:8]})
+        steady = statistics.median(c["seconds"] for c in calls[1:])
+        points.append({"batch": batch, "prompt_tokens": length, "calls": calls,
+                       "first_over_steady": round(calls[0]["seconds"] / steady, 3)})
+    return points
+
+
+def _overlap_requests(url: str, vocab: int, layers: int, topk: int) -> dict:
+    out = {}
+    for ctx in OVERLAP_CONTEXTS:
+        _, results = traffic.generate(url, [traffic.prompt(9000 + ctx, ctx, vocab)], 2, return_indexer_topk=True)
+        out[ctx] = traffic.indexer_topk(results[0], layers, topk)
+    return out
+
+
+def topk_overlap(a, b, *, first_row: int) -> dict:
+    """Share of the top-k of ``b`` (per row and layer) that ``a`` selects too, over rows from ``first_row``
+    (before it every compressed key is selected and the two agree trivially)."""
+    import numpy as np
+
+    rows = min(a.shape[0], b.shape[0])
+    shares = []
+    for r in range(first_row, rows):
+        for layer in range(a.shape[1]):
+            sa = set(int(x) for x in a[r, layer] if x >= 0)
+            sb = set(int(x) for x in b[r, layer] if x >= 0)
+            if sb:
+                shares.append(len(sa & sb) / len(sb))
+    if not shares:
+        return {"rows": 0}
+    arr = np.array(shares)
+    return {"rows": rows - first_row, "pairs": len(shares), "mean": round(float(arr.mean()), 4),
+            "p10": round(float(np.percentile(arr, 10)), 4), "min": round(float(arr.min()), 4)}
+
+
+def built_lines(log_text: str) -> list[str]:
+    return [ln.strip() for ln in log_text.splitlines() if MODEL_BUILT_MARK in ln]
+
+
+def run_serve(servers: dict, logs: dict) -> dict:
+    """Scenarios a, b, e, f over the started servers (name -> url); ``logs``: name -> callable giving the log."""
+    cfg = models.config("tiny")
+    vocab, topk, layers = cfg["vocab_size"], cfg["index_topk"], models.c4_layers("tiny")
+    result: dict = {"grid": {}, "topk_captured": {}}
+    captured = {}
+    for name, url in servers.items():
+        if name.endswith("_eager"):  # capture first, so both eager servers have the same history
+            captured[name] = _overlap_requests(url, vocab, layers, topk)
+        result["grid"][name] = _grid(url, vocab)
+    result["a_served"] = {name: all(o.endswith(f"/{NEW_TOKENS}") for p in pts for c in p["calls"] for o in c["outputs"])
+                          for name, pts in result["grid"].items()}
+    result["b_fp8_equals_upstream"] = compare(result["grid"], "dsv4fp8_graph", "sglang_graph")
+    result["b_bf16_vs_upstream"] = compare(result["grid"], "dsv4_graph", "sglang_graph")
+    result["eager_vs_graph"] = {impl: compare(result["grid"], f"{impl}_eager", f"{impl}_graph")
+                                for impl in ("sglang", "dsv4")}
+    if "dsv4_eager" in captured and "sglang_eager" in captured:
+        result["b_topk_overlap_bf16_vs_fp8"] = {
+            ctx: (topk_overlap(captured["dsv4_eager"][ctx], captured["sglang_eager"][ctx], first_row=4 * topk + 64)
+                  if captured["dsv4_eager"][ctx] is not None and captured["sglang_eager"][ctx] is not None
+                  else {"error": "no indexer_topk in the response"})
+            for ctx in OVERLAP_CONTEXTS}
+    result["e_first_over_steady"] = {name: {f"{p['batch']}x{p['prompt_tokens']}": p["first_over_steady"]
+                                            for p in pts} for name, pts in result["grid"].items()}
+    result["f_model_built_lines"] = {name: built_lines(logs[name]()) for name in servers}
+    return result
+
+
+def compare(grid: dict, a: str, b: str) -> dict:
+    """Requests whose greedy tokens are equal on servers ``a`` and ``b``, per grid point and in all."""
+    if a not in grid or b not in grid:
+        return {"error": f"missing {a} or {b}"}
+    per_point, same, total = {}, 0, 0
+    for pa, pb in zip(grid[a], grid[b]):
+        eq = sum(oa == ob for ca, cb in zip(pa["calls"], pb["calls"]) for oa, ob in zip(ca["outputs"], cb["outputs"]))
+        n = sum(len(c["outputs"]) for c in pa["calls"])
+        per_point[f"{pa['batch']}x{pa['prompt_tokens']}"] = f"{eq}/{n}"
+        same, total = same + eq, total + n
+    return {"equal": same, "requests": total, "per_point": per_point}
+
+
+# --- scenario c -------------------------------------------------------------------------------------------
+
+DECODE_POINTS = [(b, ctx) for ctx in (4096, 32768) for b in (1, 8, 64)]
+PREFILL_POINTS = [4096, 16384]
+DECODE_SHORT, DECODE_STEPS = 8, 64
+TAIL = 32  # each decode prompt: the shared context prefix plus a tail of its own
+
+
+def cost_specs() -> list[ServerSpec]:
+    common = dict(mem_fraction=0.25, max_total_tokens=393216, context_length=40960, chunked_prefill=16384)
+    return [
+        ServerSpec("dsv4_bf16", "flash12", "dsv4", **common),
+        ServerSpec("sglang_tilelang", "flash12", "sglang", upstream_indexer="tilelang", **common),
+        ServerSpec("sglang_deepgemm", "flash12", "sglang", upstream_indexer="deepgemm", **common),
+    ]
+
+
+def _abba(names: list[str]) -> list[str]:
+    return names + names[::-1]
+
+
+def run_cost(servers: dict) -> dict:
+    """Decode step (ms) at batch 1/8/64 x context 4k/32k and prefill (ms) of 4k/16k, each server visited in
+    ABBA order per point (the mean of its two visits); step = (T(short + STEPS) - T(short)) / STEPS on a
+    batch whose context prefix is cached, so prefill cancels out."""
+    cfg = models.config("flash12")
+    vocab = cfg["vocab_size"]
+    names = list(servers)
+    decode, prefill = {}, {}
+    prefixes = {ctx: traffic.prompt(70000 + ctx, ctx - TAIL, vocab) for ctx in (4096, 32768)}
+    for ctx, prefix in prefixes.items():  # every server caches the same prefix before any timing
+        for name in names:
+            traffic.generate(servers[name], [prefix + traffic.prompt(1, TAIL, vocab)], 1)
+    for i, (batch, ctx) in enumerate(DECODE_POINTS):
+        visits: dict = {n: [] for n in names}
+        for v, name in enumerate(_abba(names)):
+            seed = 1000 * i + 10 * v
+            ids_s = traffic.prompts(seed, batch, ctx, vocab, prefix=prefixes[ctx])
+            ids_l = traffic.prompts(seed + 1, batch, ctx, vocab, prefix=prefixes[ctx])
+            t_s, _ = traffic.generate(servers[name], ids_s, DECODE_SHORT)
+            t_l, _ = traffic.generate(servers[name], ids_l, DECODE_SHORT + DECODE_STEPS)
+            visits[name].append((t_l - t_s) / DECODE_STEPS * 1e3)
+        decode[f"{batch}x{ctx}"] = {n: {"step_ms": round(statistics.mean(v), 3), "visits_ms": [round(x, 3) for x in v]}
+                                    for n, v in visits.items()}
+    for i, length in enumerate(PREFILL_POINTS):
+        visits = {n: [] for n in names}
+        for rep in range(2):
+            for v, name in enumerate(_abba(names)):  # a fresh prompt each visit: nothing cached
+                t, _ = traffic.generate(servers[name], [traffic.prompt(50000 + 100 * i + 10 * rep + v, length, vocab)], 1)
+                visits[name].append(t * 1e3)
+        prefill[str(length)] = {n: {"ms": round(statistics.median(v), 3), "visits_ms": [round(x, 3) for x in v]}
+                                for n, v in visits.items()}
+    return {"decode": decode, "prefill": prefill, "ratios": ratios(decode, prefill)}
+
+
+def ratios(decode: dict, prefill: dict) -> dict:
+    """The package's time over each upstream kernel's, per point."""
+    out = {}
+    for base in ("sglang_tilelang", "sglang_deepgemm"):
+        out[f"dsv4_bf16/{base}"] = {
+            **{f"decode {k}": round(v["dsv4_bf16"]["step_ms"] / v[base]["step_ms"], 4) for k, v in decode.items()
+               if base in v and "dsv4_bf16" in v},
+            **{f"prefill {k}": round(v["dsv4_bf16"]["ms"] / v[base]["ms"], 4) for k, v in prefill.items()
+               if base in v and "dsv4_bf16" in v},
+        }
+    return out

@@ -1,0 +1,86 @@
+"""Requests a GPU serving run sends: token-id prompts made from a seed, greedy ``/generate`` batches, timed.
+
+A batch goes as ONE ``/generate`` call carrying a list of prompts, so the server's scheduler receives all
+of them together and every server of a comparison sees the same batch composition (greedy outputs of a
+batch can depend on which requests share a step). Prompts are random token ids from a seeded generator:
+the same seed gives the same prompt on every server.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import random
+import time
+import urllib.error
+import urllib.request
+
+FIRST_TOKEN = 2  # ids 0 and 1 are the configs' bos / eos
+
+
+def prompt(seed: int, length: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(FIRST_TOKEN, vocab) for _ in range(length)]
+
+
+def prompts(seed: int, batch: int, length: int, vocab: int, prefix: list[int] | None = None) -> list[list[int]]:
+    """``batch`` prompts of ``length`` tokens; with ``prefix``, each is the prefix plus its own tail."""
+    head = prefix or []
+    return [head + prompt(seed * 1000 + i, length - len(head), vocab) for i in range(batch)]
+
+
+class RequestFailed(RuntimeError):
+    """A /generate call did not answer 200; the message has the server's answer."""
+
+
+def generate(url: str, input_ids: list[list[int]], max_new_tokens: int, *, timeout: float = 600,
+             return_indexer_topk: bool = False) -> tuple[float, list[dict]]:
+    """(seconds, one result per prompt) of a greedy batch that ignores EOS."""
+    body = {
+        "input_ids": input_ids,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+    }
+    if return_indexer_topk:
+        body["return_indexer_topk"] = True
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url + "/generate", data=data, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            payload = resp.read()
+    except urllib.error.HTTPError as exc:
+        raise RequestFailed(f"{url}/generate answered {exc.code}: {exc.read()[:2000]!r}") from exc
+    except (urllib.error.URLError, OSError) as exc:
+        raise RequestFailed(f"{url}/generate: {exc}") from exc
+    seconds = time.perf_counter() - t0
+    out = json.loads(payload)
+    return seconds, out if isinstance(out, list) else [out]
+
+
+def output_ids(result: dict) -> list[int]:
+    return list(result.get("output_ids") or [])
+
+
+def digest(result: dict) -> str:
+    """A request's greedy tokens as ``<sha1 prefix>/<count>``: equal tokens, equal digest."""
+    ids = output_ids(result)
+    return f"{hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]}/{len(ids)}"
+
+
+def indexer_topk(result: dict, layers: int, topk: int):
+    """The captured top-k rows of one request as a numpy int32 array [rows, layers, topk] (sglang returns
+    them base64-encoded in ``meta_info.indexer_topk``), or None when the server returned none."""
+    import numpy as np
+
+    raw = (result.get("meta_info") or {}).get("indexer_topk")
+    if not raw:
+        return None
+    flat = np.frombuffer(base64.b64decode(raw), dtype=np.int32)
+    return flat.reshape(-1, layers, topk)
+
+
+def get_text(url: str, path: str, timeout: float = 30) -> str:
+    with urllib.request.urlopen(url + path, timeout=timeout) as resp:
+        return resp.read().decode(errors="replace")
