@@ -1,0 +1,94 @@
+"""The GPU serving run's client side on the CPU, against loopback HTTP servers that answer like sglang.
+
+No DeepSeek-V4 forward runs on a CPU, so the servers here are stand-ins (test infrastructure): each
+answers ``/generate`` for a batch of ``input_ids`` with greedy-looking tokens derived from the prompt, and
+``meta_info.indexer_topk`` as sglang encodes it. What is real is the run's own code: prompts, batching,
+the grid, the comparisons, the top-k overlap and the log-line check, so a GPU host's time is not spent
+finding a client bug.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+from bench.gpu_server import models, scenarios, traffic
+
+
+def _serve(tokens_of, topk_of):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            n = body["sampling_params"]["max_new_tokens"]
+            out = []
+            for ids in body["input_ids"]:
+                item = {"output_ids": tokens_of(ids, n), "meta_info": {}}
+                if body.get("return_indexer_topk"):
+                    item["meta_info"]["indexer_topk"] = base64.b64encode(topk_of(ids).tobytes()).decode()
+                out.append(item)
+            data = json.dumps(out).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def _tokens(salt):
+    return lambda ids, n: [(sum(ids[-8:]) + salt + i) % 1000 for i in range(n)]
+
+
+def _topk(shift):
+    layers, k = models.c4_layers("tiny"), models.config("tiny")["index_topk"]
+
+    def topk_of(ids):
+        rows = len(ids) + 1
+        base = np.arange(k, dtype=np.int32)[None, None, :] + shift
+        return np.broadcast_to(base, (rows, layers, k)).astype(np.int32).copy()
+    return topk_of
+
+
+@pytest.fixture
+def small_grid(monkeypatch):
+    monkeypatch.setattr(scenarios, "GRID", [(1, 64), (4, 300)])
+    monkeypatch.setattr(scenarios, "OVERLAP_CONTEXTS", [2400])
+
+
+def test_serve_compares_tokens_and_selections_and_finds_the_build_line(small_grid):
+    salts = {"sglang_graph": 0, "dsv4_graph": 1, "dsv4fp8_graph": 0, "sglang_eager": 0, "dsv4_eager": 1}
+    shifts = {"sglang_eager": 0, "dsv4_eager": 128}
+    started = {name: _serve(_tokens(salt), _topk(shifts.get(name, 0))) for name, salt in salts.items()}
+    try:
+        urls = {name: url for name, (_, url) in started.items()}
+        line = "[2026-12-02] dsv4-sm120: built DeepseekV4ForCausalLMSM120 with bf16 index keys: ..."
+        logs = {name: (lambda n=name: line if n.startswith("dsv4") else "no plugin") for name in urls}
+        res = scenarios.run_serve(urls, logs)
+    finally:
+        for server, _ in started.values():
+            server.shutdown()
+    assert all(res["a_served"].values())
+    assert res["b_fp8_equals_upstream"]["equal"] == res["b_fp8_equals_upstream"]["requests"] == 15
+    assert res["b_bf16_vs_upstream"]["equal"] == 0
+    assert res["eager_vs_graph"]["sglang"]["equal"] == 15
+    overlap = res["b_topk_overlap_bf16_vs_fp8"][2400]
+    assert overlap["mean"] == pytest.approx(384 / 512) and overlap["rows"] > 0
+    assert res["f_model_built_lines"]["dsv4_graph"] == [line] and res["f_model_built_lines"]["sglang_graph"] == []
+    assert set(res["e_first_over_steady"]["dsv4_graph"]) == {"1x64", "4x300"}
+
+
+def test_prompts_are_the_same_for_a_seed_and_share_a_prefix():
+    a = traffic.prompts(7, 3, 50, 1024, prefix=[5] * 40)
+    assert a == traffic.prompts(7, 3, 50, 1024, prefix=[5] * 40)
+    assert all(len(p) == 50 and p[:40] == [5] * 40 for p in a) and len({tuple(p) for p in a}) == 3
+    assert min(min(p) for p in traffic.prompts(1, 2, 500, 64)) >= traffic.FIRST_TOKEN
