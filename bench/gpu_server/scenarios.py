@@ -134,7 +134,7 @@ TAIL = 32  # each decode prompt: the shared context prefix plus a tail of its ow
 
 
 def cost_specs() -> list[ServerSpec]:
-    common = dict(mem_fraction=0.25, max_total_tokens=393216, context_length=40960, chunked_prefill=16384)
+    common = dict(mem_fraction=0.4, max_total_tokens=393216, context_length=40960, chunked_prefill=16384)
     return [
         ServerSpec("dsv4_bf16", "flash12", "dsv4", **common),
         ServerSpec("sglang_tilelang", "flash12", "sglang", upstream_indexer="tilelang", **common),

@@ -57,7 +57,10 @@ class ServerSpec:
     graphs: bool = True
     index_k: str = "bf16"  # DSV4_SM120_INDEX_K_DTYPE under --model-impl dsv4
     upstream_indexer: str = "deepgemm"  # the fp8 kernel where keys are fp8
-    mem_fraction: float = 0.14
+    # Each server's KV budget is what is free when it profiles minus (1 - this) x what was free when it started;
+    # servers started together may see each other's memory only in the second reading, so the share must cover
+    # all the others' use (the pools themselves are capped by --max-total-tokens, not by this).
+    mem_fraction: float = 0.3
     max_total_tokens: int = 262144
     context_length: int = 20480
     max_running: int = 64
