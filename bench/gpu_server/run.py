@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                              for s in started}
         urls = {s.spec.name: s.url for s in started}
         logs = {s.spec.name: (lambda p=s.proc.log: p.read_text(errors="replace")) for s in started}
-        record["results"] = run_set(urls, logs) if args.set == "serve" else run_set(urls)
+        record["results"] = (run_set(urls, logs) if args.set == "serve"
+                             else run_set(urls, profile_dir=log_dir / "profiles"))
         record["dead_after_traffic"] = [s.spec.name for s in started if not s.proc.alive()]
     except Exception as exc:  # the JSON says what failed; the logs are kept either way
         record["error"] = f"{type(exc).__name__}: {exc}"

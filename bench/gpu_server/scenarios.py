@@ -15,6 +15,7 @@ upstream with each of its production fp8 indexer kernels, servers visited in ABB
 from __future__ import annotations
 
 import statistics
+import time
 
 from bench.gpu_server import models, traffic
 from bench.gpu_server.servers import ServerSpec
@@ -146,7 +147,7 @@ def _abba(names: list[str]) -> list[str]:
     return names + names[::-1]
 
 
-def run_cost(servers: dict) -> dict:
+def run_cost(servers: dict, profile_dir=None) -> dict:
     """Decode step (ms) at batch 1/8/64 x context 4k/32k and prefill (ms) of 4k/16k, each server visited in
     ABBA order per point (the mean of its two visits); step = (T(short + STEPS) - T(short)) / STEPS on a
     batch whose context prefix is cached, so prefill cancels out."""
@@ -154,7 +155,7 @@ def run_cost(servers: dict) -> dict:
     vocab = cfg["vocab_size"]
     names = list(servers)
     decode, prefill = {}, {}
-    prefixes = {ctx: traffic.prompt(70000 + ctx, ctx - TAIL, vocab) for ctx in (4096, 32768)}
+    prefixes = {ctx: traffic.prompt(70000 + ctx, ctx - TAIL, vocab) for ctx in sorted({c for _, c in DECODE_POINTS})}
     for ctx, prefix in prefixes.items():  # every server caches the same prefix before any timing
         for name in names:
             traffic.generate(servers[name], [prefix + traffic.prompt(1, TAIL, vocab)], 1)
@@ -177,17 +178,86 @@ def run_cost(servers: dict) -> dict:
                 visits[name].append(t * 1e3)
         prefill[str(length)] = {n: {"ms": round(statistics.median(v), 3), "visits_ms": [round(x, 3) for x in v]}
                                 for n, v in visits.items()}
-    return {"decode": decode, "prefill": prefill, "ratios": ratios(decode, prefill)}
+    shares = {}
+    if profile_dir is not None:  # after the timed visits: a profile window slows the step it records
+        for batch, ctx in DECODE_POINTS:
+            for name in names:
+                try:
+                    shares[f"{name} decode {batch}x{ctx}"] = profile_decode(
+                        servers[name], profile_dir, f"{name}_{batch}x{ctx}", batch, ctx, prefixes[ctx], vocab)
+                except Exception as exc:  # a figure the run could not take is said, not fatal
+                    shares[f"{name} decode {batch}x{ctx}"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return {"decode": decode, "prefill": prefill, "ratios": ratios(decode, prefill), "indexer_share": shares}
 
 
 def ratios(decode: dict, prefill: dict) -> dict:
     """The package's time over each upstream kernel's, per point."""
+    def ratio(a: float, b: float):
+        return round(a / b, 4) if b > 0 else None
+
     out = {}
     for base in ("sglang_tilelang", "sglang_deepgemm"):
         out[f"dsv4_bf16/{base}"] = {
-            **{f"decode {k}": round(v["dsv4_bf16"]["step_ms"] / v[base]["step_ms"], 4) for k, v in decode.items()
+            **{f"decode {k}": ratio(v["dsv4_bf16"]["step_ms"], v[base]["step_ms"]) for k, v in decode.items()
                if base in v and "dsv4_bf16" in v},
-            **{f"prefill {k}": round(v["dsv4_bf16"]["ms"] / v[base]["ms"], 4) for k, v in prefill.items()
+            **{f"prefill {k}": ratio(v["dsv4_bf16"]["ms"], v[base]["ms"]) for k, v in prefill.items()
                if base in v and "dsv4_bf16" in v},
         }
     return out
+
+
+# The indexer's kernels by name in a torch-profiler trace: the package's Triton logits kernel, DeepGEMM's and
+# TileLang's fp8 paged MQA logits, and the top-k transforms all of them feed.
+INDEXER_KERNELS = {"logits": r"_logits_kernel|paged_mqa_logits|mqa_logits", "topk": r"topk"}
+
+
+def kernel_shares(trace_path) -> dict:
+    """GPU time per kernel family of one sglang profile (``*.trace.json.gz``): the indexer's share of it."""
+    import gzip
+    import json
+    import re
+    from collections import Counter
+
+    with gzip.open(trace_path, "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    per_name: Counter = Counter()
+    for ev in events:
+        if ev.get("cat") == "kernel" and "dur" in ev:
+            per_name[ev["name"]] += float(ev["dur"])
+    total = sum(per_name.values())
+    out = {"kernel_us": round(total, 1), "kernels": sum(1 for ev in events if ev.get("cat") == "kernel")}
+    for family, pattern in INDEXER_KERNELS.items():
+        us = sum(v for k, v in per_name.items() if re.search(pattern, k, re.I))
+        out[f"{family}_us"] = round(us, 1)
+        out[f"{family}_share"] = round(us / total, 4) if total else None
+    out["top"] = [(k[:80], round(v, 1)) for k, v in per_name.most_common(6)]
+    return out
+
+
+def profile_decode(url: str, out_dir, name: str, batch: int, ctx: int, prefix: list[int], vocab: int,
+                   steps: int = 4, timeout: float = 120) -> dict:
+    """Profile ``steps`` decode steps of a running batch on one server; the kernel shares of that window."""
+    import json
+    import threading
+    import urllib.request
+    from pathlib import Path
+
+    out_dir = Path(out_dir) / name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ids = traffic.prompts(424242 + batch, batch, ctx, vocab, prefix=prefix)
+    worker = threading.Thread(target=traffic.generate, args=(url, ids, 96), daemon=True)
+    worker.start()
+    time.sleep(1.0)  # the batch's short prefill is over; it decodes
+    body = {"output_dir": str(out_dir), "num_steps": steps, "activities": ["GPU"], "profile_id": name}
+    req = urllib.request.Request(url + "/start_profile", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=timeout).read()
+    worker.join(timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        traces = sorted(out_dir.rglob("*.trace.json.gz"))
+        if traces:
+            time.sleep(2.0)  # let the export finish writing
+            return {"steps": steps, **kernel_shares(traces[-1])}
+        time.sleep(1.0)
+    return {"error": f"no trace in {out_dir} after {timeout:.0f}s"}

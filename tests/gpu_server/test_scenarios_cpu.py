@@ -92,3 +92,41 @@ def test_prompts_are_the_same_for_a_seed_and_share_a_prefix():
     assert a == traffic.prompts(7, 3, 50, 1024, prefix=[5] * 40)
     assert all(len(p) == 50 and p[:40] == [5] * 40 for p in a) and len({tuple(p) for p in a}) == 3
     assert min(min(p) for p in traffic.prompts(1, 2, 500, 64)) >= traffic.FIRST_TOKEN
+
+
+def test_cost_visits_every_server_in_abba_order_and_reads_a_profile(monkeypatch, tmp_path):
+    import gzip
+
+    monkeypatch.setattr(scenarios, "DECODE_POINTS", [(2, 300)])
+    monkeypatch.setattr(scenarios, "PREFILL_POINTS", [200])
+    monkeypatch.setattr(scenarios, "DECODE_STEPS", 4)
+    visits = []
+    monkeypatch.setattr(scenarios.traffic, "prompt", lambda seed, n, vocab: [2] * n)
+    real_generate = traffic.generate
+
+    def counted(url, ids, n, **kw):
+        visits.append(url)
+        return real_generate(url, ids, n, **kw)
+
+    monkeypatch.setattr(scenarios.traffic, "generate", counted)
+    started = {name: _serve(_tokens(0), _topk(0)) for name in ("dsv4_bf16", "sglang_tilelang", "sglang_deepgemm")}
+    try:
+        urls = {name: url for name, (_, url) in started.items()}
+        res = scenarios.run_cost(urls)
+    finally:
+        for server, _ in started.values():
+            server.shutdown()
+    decode_visits = visits[len(urls):len(urls) + 12:2]  # after each server cached the prefix; short calls only
+    assert decode_visits == [urls[n] for n in ("dsv4_bf16", "sglang_tilelang", "sglang_deepgemm",
+                                                "sglang_deepgemm", "sglang_tilelang", "dsv4_bf16")]
+    assert len(res["decode"]["2x300"]["dsv4_bf16"]["visits_ms"]) == 2
+    assert set(res["ratios"]) == {"dsv4_bf16/sglang_tilelang", "dsv4_bf16/sglang_deepgemm"}
+
+    trace = tmp_path / "x.trace.json.gz"
+    events = [{"cat": "kernel", "name": "_logits_kernel", "dur": 30.0},
+              {"cat": "kernel", "name": "topk_transform_paged", "dur": 10.0},
+              {"cat": "kernel", "name": "gemm", "dur": 60.0}, {"cat": "cpu_op", "name": "aten::mm", "dur": 99.0}]
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    shares = scenarios.kernel_shares(trace)
+    assert shares["logits_share"] == 0.3 and shares["topk_share"] == 0.1 and shares["kernel_us"] == 100.0
