@@ -22,8 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.gpu_server import scenarios
-from bench.gpu_server.servers import Started, launch_line, start
-from tests.e2e.servers import log_tail
+from bench.gpu_server.servers import Started, launch_line, log_tail, start
 
 SETS = {"serve": (scenarios.serve_specs, scenarios.run_serve), "cost": (scenarios.cost_specs, scenarios.run_cost)}
 VERSIONS_PY = (

@@ -15,17 +15,30 @@ run adds beyond that is here, in :data:`BASE_ENV` and :func:`ServerSpec.argv`, w
   requests carry token ids.
 
 Processes are started and stopped through ``tests/e2e/servers.py`` (free loopback ports, own session,
-bounded start and stop by PID, logs kept), the same code the CPU end-to-end suite uses.
+bounded start and stop by PID, logs kept), the same code the CPU end-to-end suite uses; it is loaded by
+its path, so that a package named ``tests`` installed on a GPU host's image cannot stand in for it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.e2e.servers import LOOPBACK, Proc, free_port
+
+def _load_e2e_servers():
+    path = Path(__file__).resolve().parents[2] / "tests" / "e2e" / "servers.py"
+    spec = importlib.util.spec_from_file_location("dsv4_e2e_servers", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+processes = _load_e2e_servers()
+LOOPBACK, Proc, free_port, log_tail = processes.LOOPBACK, processes.Proc, processes.free_port, processes.log_tail
 
 BASE_ENV = {
     "SGLANG_HOST_IP": LOOPBACK,
@@ -95,7 +108,7 @@ class ServerSpec:
         if self.graphs:
             args += ["--cuda-graph-max-bs-decode", str(self.max_running)]
         else:
-            args += ["--disable-cuda-graph"]
+            args += ["--cuda-graph-backend-decode", "disabled"]
         return args + list(self.extra_args)
 
 
