@@ -36,7 +36,7 @@ per round the slowest rank's time per iteration counts (collectives make ranks w
 other); figures are medians over rounds. It does NOT run sglang's loop, a scheduler, a model or a
 serving workload: only the guard's collectives against the collectives they sit between.
 
-    python bench/guard_consensus_quiet.py --out bench/results/guard_quiet_h200host_$(date -u +%F).json
+    python bench/guard_consensus_quiet.py --out bench/results/guard/guard_quiet_h200host_$(date -u +%F).json
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ gloo, on a CPU: a stand-in for the NCCL run, labelled so in its JSON, never the 
 
 Here (CPU; the JSON committed as the gloo stand-in):
     .venv/bin/python bench/guard_nccl_2gpu.py --backend gloo \\
-        --out bench/results/guard_nccl_cpu-gloo-standin_$(date -u +%F).json
+        --out bench/results/guard/guard_nccl_cpu-gloo-standin_$(date -u +%F).json
 
 The two-GPU session (kind ``nvidia-h200-x2``; ask ``status`` first, it was withheld when this was
 written). The image has torch 2.11 / python 3.12 and no sglang, pyzmq or flashinfer. Here, before the
@@ -58,7 +58,7 @@ call, at the commit to run:
          && nvidia-smi -L && python3 bench/guard_nccl_2gpu.py --backend nccl --standins \\
          --commit COMMIT --out $OUT/guard_nccl_$(date -u +%F).json 2>&1 | tee $OUT/guard_nccl.log
 
-     then commit the JSON (and the log) under ``bench/results/``. ``--standins`` serves
+     then commit the JSON (and the log) under ``bench/results/guard/``. ``--standins`` serves
      ``sgl_kernel`` and ``deep_gemm`` (not loadable on torch 2.11, never called by the harness) with
      H1's raising stand-ins (``tests/kernels/topk_standins.py``), and any other module the chain
      misses there likewise, each named in the JSON's ``standins``; pyzmq is never stood in. Duration,

@@ -7,7 +7,7 @@ and page tables, this package's bf16 logits kernel and two upstream peers: the T
 (``SGLANG_OPT_USE_TILELANG_INDEXER=1`` from ``arg_groups/model_hook.py``), built here for sm_90 -- and,
 with ``--deepgemm``, DeepGEMM, the pin's default on sm_90: ``fp8_paged_mqa_logits`` for decode and
 target-verify, ``fp8_mqa_logits`` on the request's gathered keys for prefill (``deepgemm_info`` says how
-each is called). It writes bench/results/indexer_h200_<date>.json (or $OUT_JSON); without a peer its
+each is called). It writes bench/results/kernels/indexer_h200_<date>.json (or $OUT_JSON); without a peer its
 columns are None and the JSON says why.
 
     PYTHONPATH=src COMMIT=$(git rev-parse HEAD) python bench/indexer_h200.py --tilelang PATH/tilelang_kernel.py \
@@ -781,7 +781,7 @@ def main():
         g.write_json(path, result)
         return
     date = datetime.date.today().isoformat()
-    default = g.REPO / "bench" / "results" / f"indexer_h200_{date}.json"
+    default = g.REPO / "bench" / "results" / "kernels" / f"indexer_h200_{date}.json"
     path = Path(os.environ.get("OUT_JSON", "/tmp/indexer_dry.json" if args.dry_cpu else default))
     result["correctness_ragged"] = correctness_ragged(pool, gen)
     print("ragged", result["correctness_ragged"], flush=True)
