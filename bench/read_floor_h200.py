@@ -11,7 +11,7 @@ table and split as a logits kernel would, and scores nothing:
   floor of that grid);
 * ``bulk``: the same in CUDA with Hopper's bulk copy engine (``cp.async.bulk`` of each whole page into a
   shared-memory ring, an mbarrier per stage, up to ``stages`` pages in flight per program): the fastest way
-  this chip moves whole pages, compiled by NVRTC through CuPy (the device image has CuPy, no build step).
+  this chip moves whole pages, compiled by NVRTC through CuPy (the H200 image has CuPy, no build step).
 
 ``page_bytes`` 16384 is our bf16 page (64 x 128 x 2); 8448 is upstream's fp8 page (64 x 128 e4m3 keys and 64
 fp32 scales), read from the fp8 pool the TileLang peer reads. Nothing here is a candidate kernel: their
