@@ -122,7 +122,7 @@ device() {
         echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
         echo "commit: ${COMMIT:-unknown}"
         echo "nvcc: $(command -v nvcc), $(nvcc --version | tail -1)"
-        echo "flashinfer top-k module (carried ahead-of-time build): $(tr '\n' ' ' <"$site/flashinfer/data/aot/topk/BUILD_INFO")"
+        echo "flashinfer top-k module (ahead-of-time build from the bundle): $(tr '\n' ' ' <"$site/flashinfer/data/aot/topk/BUILD_INFO")"
         local rc=0
         (cd "$ROOT" && python3 tests/kernels/topk_device_run.py) || rc=$?
         echo "pytest exit: $rc"
