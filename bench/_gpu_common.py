@@ -109,7 +109,7 @@ def fp8_gemm_ceiling(size: int = 8192) -> dict:
 
 
 def run_meta() -> dict:
-    commit = os.environ.get("COMMIT")  # the device copy's .git may be absent or stale: the caller passes COMMIT
+    commit = os.environ.get("COMMIT")  # a copy on the GPU host may lack .git or hold a stale one: the caller passes COMMIT
     if not commit:
         try:
             commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=REPO, text=True).strip()

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Builds DeepGEMM on the lent H200 as the sm_90 baseline of bench/indexer_h200.py (issue 14).
+# Builds DeepGEMM on an H200 host (no network there) as the sm_90 baseline of bench/indexer_h200.py (issue 14).
 #
 # Why: on sm_90 the pin's indexer calls DeepGEMM (fp8_paged_mqa_logits for decode and target-verify,
 # fp8_mqa_logits for one-request prefill), but the pinned sgl-deep-gemm==0.2.3.post2 wheel ships a
-# prebuilt _C.so for a newer torch than the device's 2.11, and no csrc/. Its sources (the fork's
+# prebuilt _C.so for a newer torch than the H200 image's 2.11, and no csrc/. Its sources (the fork's
 # release branch) are not public in a fetchable form, so this builds the host side of upstream
 # deepseek-ai/DeepGEMM at DG_COMMIT -- the first commit whose sm90_fp8_paged_mqa_logits.cuh and
 # scheduler/sm90_paged_mqa_logits.cuh are byte-identical to the wheel's -- and points its runtime JIT
@@ -12,11 +12,11 @@
 # (kCleanLogits, in-kernel cleaning) than DG_COMMIT's host passes; the host passes false, the value
 # for the pin's clean_logits=False call. Nothing of DeepGEMM is committed: it travels as a tarball.
 #
-#   pack  (here):  DG_REPO=<deepseek-ai/DeepGEMM git dir> FMT_REPO=<fmtlib/fmt git dir>
+#   pack  (networked machine):  DG_REPO=<deepseek-ai/DeepGEMM git dir> FMT_REPO=<fmtlib/fmt git dir>
 #                  WHEEL_PKG=<site-packages/deep_gemm of sgl-deep-gemm 0.2.3.post2>
-#                  [PY_INCLUDE=<a CPython 3.12 include/python3.12, used only if the device lacks one>]
+#                  [PY_INCLUDE=<a CPython 3.12 include/python3.12, used only if the GPU host lacks one>]
 #                  bash bench/build_deepgemm_device.sh pack      -> .devcarry/deepgemm_src.tar.xz
-#   build (device, carry .devcarry):  bash bench/build_deepgemm_device.sh build [DEST=/tmp/dg]
+#   build (GPU host, with .devcarry copied over):  bash bench/build_deepgemm_device.sh build [DEST=/tmp/dg]
 #                  -> DEST/deep_gemm importable with PYTHONPATH=DEST (prints the compile command and time)
 set -euo pipefail
 

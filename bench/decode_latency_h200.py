@@ -21,7 +21,7 @@ kernels defined here, which differ from it only in how a short program starts:
   read floors (the same pages read, nothing scored), bf16 and fp8 pages, Triton and Hopper bulk copies, and
   ``diag_probe``: the package's loop with its product or its stores left out.
 
-Results (bench/results/indexer_h200_2026-12-01_tiny_bb0eeb3.json, ..._6aafe7e_tma.json): ``short`` reaches
+Results (bench/results/kernels/indexer_h200_2026-12-01_tiny_bb0eeb3.json, ..._6aafe7e_tma.json): ``short`` reaches
 0.96 of TileLang at 1 x 4k / width 4k (package 1.02); at 512 pages (1 x 32k, 8 x 4k) the best candidate is
 1.08-1.13 (package 1.11-1.14) and at the capture width none beats the package kernel; the page-id hints change
 nothing; TMA key pages are slower (1.07-1.20). TileLang's own time moved by up to 9% between runs here
@@ -46,7 +46,7 @@ written past a length), and the candidates also on ragged lengths at two widths.
 
     PYTHONPATH=src COMMIT=$(git rev-parse HEAD) python bench/decode_latency_h200.py --tilelang PATH/tilelang_kernel.py
 
-writes bench/results/indexer_h200_2026-12-01_tiny_<commit>.json (or $OUT_JSON). ``--warm N`` compiles every
+writes bench/results/kernels/indexer_h200_2026-12-01_tiny_<commit>.json (or $OUT_JSON). ``--warm N`` compiles every
 kernel first in N processes (Triton's and TileLang's caches are shared on disk); ``--dry-cpu`` runs tiny
 shapes in Triton's interpreter to check the script and the candidates' results.
 """
@@ -719,7 +719,7 @@ def main():
     bad = [r for r in result["ragged"] if "error" in r or not _passes(r)]
     print(f"ragged: {len(result['ragged'])} checks, {len(bad)} failing {bad[:3]}", flush=True)
     commit = meta["commit"][:7]
-    default = g.REPO / "bench" / "results" / f"indexer_h200_{time.strftime('%Y-%m-%d')}_tiny_{commit}.json"
+    default = g.REPO / "bench" / "results" / "kernels" / f"indexer_h200_{time.strftime('%Y-%m-%d')}_tiny_{commit}.json"
     path = Path(os.environ.get("OUT_JSON", "/tmp/decode_latency_dry.json" if args.dry_cpu else default))
     result["shapes"] = []
     for tag, b, live, width, rpr in all_shapes():

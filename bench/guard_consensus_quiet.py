@@ -3,7 +3,7 @@
 Why this exists beside ``bench/guard_cpu.py``: that bench runs upstream's real patched loop, so
 it needs sglang, and on the 2-core shared dev machine one gloo collective takes about a
 millisecond, which buries a cost measured in microseconds. This one needs only torch, so it runs
-on any many-core host (the CPU of the lent H200 machine; the GPU is unused).
+on any many-core host (here: the 16-core CPU of an H200 host; the GPU is unused).
 
 What one iteration does, on one gloo group of ``tp`` processes over 127.0.0.1:
 
@@ -36,7 +36,7 @@ per round the slowest rank's time per iteration counts (collectives make ranks w
 other); figures are medians over rounds. It does NOT run sglang's loop, a scheduler, a model or a
 serving workload: only the guard's collectives against the collectives they sit between.
 
-    python bench/guard_consensus_quiet.py --out bench/results/guard_quiet_h200host_$(date -u +%F).json
+    python bench/guard_consensus_quiet.py --out bench/results/guard/guard_quiet_h200host_$(date -u +%F).json
 """
 
 from __future__ import annotations

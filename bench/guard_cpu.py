@@ -13,7 +13,7 @@ guard's agreements per iteration, ``second_agreement_us`` (also ``us_inside_batc
 the second agreement alone (medians over ranks; both include waiting for the slowest rank). Not a test: CPU-only figures,
 machine noise included.
 
-    .venv/bin/python bench/guard_cpu.py --out bench/results/guard_cpu_$(date -u +%F).json
+    .venv/bin/python bench/guard_cpu.py --out bench/results/guard/guard_cpu_$(date -u +%F).json
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ guard's hooks (gloo timeout 20 s) and once through the pristine loops (timeout 4
 as a gloo timeout error). Records each rank's outcome, what each client got, the guard's counters,
 and the ranks' exit codes. CPU only; no timing is reported beyond wall seconds per run.
 
-    .venv/bin/python bench/guard_injection_points.py --out bench/results/guard_injection_points_$(date -u +%F).json
+    .venv/bin/python bench/guard_injection_points.py --out bench/results/guard/guard_injection_points_$(date -u +%F).json
 """
 
 from __future__ import annotations

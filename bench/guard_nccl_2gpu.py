@@ -32,23 +32,22 @@ gloo, on a CPU: a stand-in for the NCCL run, labelled so in its JSON, never the 
 
 Here (CPU; the JSON committed as the gloo stand-in):
     .venv/bin/python bench/guard_nccl_2gpu.py --backend gloo \\
-        --out bench/results/guard_nccl_cpu-gloo-standin_$(date -u +%F).json
+        --out bench/results/guard/guard_nccl_cpu-gloo-standin_$(date -u +%F).json
 
-The two-GPU session (kind ``nvidia-h200-x2``; ask ``status`` first, it was withheld when this was
-written). The image has torch 2.11 / python 3.12 and no sglang, pyzmq or flashinfer. Here, before the
-call, at the commit to run:
-  1. ``bash bench/topk_poison_h200.sh pack`` (helper H1's packer) -> ``.devcarry/topk/pin_site.tar.xz``
+On a host with two GPUs (two H200s of one host were the target) whose image has torch 2.11 / python 3.12,
+no sglang, pyzmq or flashinfer, and no network. On a networked machine, at the commit to run:
+  1. ``bash bench/topk_poison_h200.sh pack`` (the top-k poison run's packer) -> ``.devcarry/topk/pin_site.tar.xz``
      (sglang 0.5.23 trimmed to its python and data files, flashinfer 0.7.2, tvm_ffi built for the
-     device) and ``.devcarry/topk/wheels/`` (cp312 wheels of the import chain's pure and small
+     H200 image) and ``.devcarry/topk/wheels/`` (cp312 wheels of the import chain's pure and small
      packages the image lacks, pyzmq among them);
   2. the scheduler's import chain needs four more the top-k chain does not:
      ``python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
      -d .devcarry/guard_nccl/wheels setproctitle==1.3.8 uvicorn==0.54.0 fastapi==0.165.0
      opentelemetry-api==1.45.2`` (found by importing the chain on this CPU machine with only the
-     image's packages, H1's and these visible; a CUDA host may import more: ``--standins`` below);
-  3. ``run`` with ``kind="nvidia-h200-x2"``, ``carry=[".devcarry/topk", ".devcarry/guard_nccl"]``,
-     ``timeout_s=600`` and the command (COMMIT = ``git rev-parse HEAD`` here)::
+     image's packages, the top-k bundle and these visible; a CUDA host may import more: ``--standins`` below);
+  3. copy the checkout with ``.devcarry/topk`` and ``.devcarry/guard_nccl`` to the GPU host and run, in the
+     checkout, with ``OUT`` an output folder and COMMIT = ``git rev-parse HEAD`` of the networked machine::
 
        set -o pipefail; ulimit -c 0; export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \\
          TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; S=/tmp/site; mkdir -p $S \\
@@ -58,16 +57,16 @@ call, at the commit to run:
          && nvidia-smi -L && python3 bench/guard_nccl_2gpu.py --backend nccl --standins \\
          --commit COMMIT --out $OUT/guard_nccl_$(date -u +%F).json 2>&1 | tee $OUT/guard_nccl.log
 
-     then commit the JSON (and the log) under ``bench/results/``. ``--standins`` serves
+     then commit the JSON (and the log) under ``bench/results/guard/``. ``--standins`` serves
      ``sgl_kernel`` and ``deep_gemm`` (not loadable on torch 2.11, never called by the harness) with
-     H1's raising stand-ins (``tests/kernels/topk_standins.py``), and any other module the chain
+     the top-k run's raising stand-ins (``tests/kernels/topk_standins.py``), and any other module the chain
      misses there likewise, each named in the JSON's ``standins``; pyzmq is never stood in. Duration,
-     estimated (never run there): 4-6 minutes (each group's ranks import sglang; 20 guard-off groups,
-     4 at a time). If 600 s do not suffice, the JSON holds the parts that finished; run the rest with
-     ``--parts on,cost`` (or ``--cases``) in a second call and commit both files.
+     estimated (never run on two GPUs): 4-6 minutes (each group's ranks import sglang; 20 guard-off groups,
+     4 at a time). To run it in pieces, or when a run stops early (the JSON holds the parts that finished),
+     run the rest with ``--parts on,cost`` (or ``--cases``) and commit both files.
 
-Rehearsed here as far as a CPU allows: the whole run on gloo (the JSON above), and the device's
-software layout (``python -S`` with only the image's packages, H1's carry and these wheels on the
+Rehearsed here as far as a CPU allows: the whole run on gloo (the JSON above), and the GPU host's
+software layout (``python -S`` with only the image's packages, the top-k bundle and these wheels on the
 path, ``--start spawn --standins``): the spawned ranks import the trimmed pin and run the loops.
 Not rehearsable here: NCCL itself, torch 2.11 (the venv has the pin's torch 2.14.1), a CUDA host's
 import chain.
@@ -370,7 +369,7 @@ def main() -> int:
     ap.add_argument("--parts", default="off,on,cost")
     ap.add_argument("--cases", default=None, help="only these scenarios: loop:point:kind,...")
     ap.add_argument("--standins", action="store_true", help="stand in packages of the import chain that are missing")
-    ap.add_argument("--commit", default=None, help="the commit run (the device's copy has no .git)")
+    ap.add_argument("--commit", default=None, help="the commit run (a copy on the GPU host may have no .git)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     args.start = args.start or ("spawn" if args.backend == "nccl" else "fork")

@@ -22,7 +22,7 @@ Then integrity mode: checksums taken at back-up are verified at load-back after
 corruptions are planted in host pages; every planted corruption must be caught.
 Finally the copy bandwidth of bf16 pages against pinned memcpy, and the checksum
 overhead against the copy it guards, all in the same run. Writes
-bench/results/hicache_race_h200_<date>.json (or $OUT_JSON).
+bench/results/hicache/hicache_race_h200_<date>.json (or $OUT_JSON).
 
     PYTHONPATH=src COMMIT=$(git rev-parse HEAD) python bench/hicache_race_h200.py
 """
@@ -296,7 +296,7 @@ def main():
         "config": vars(args),
     }
     date = datetime.date.today().isoformat()
-    path = Path(os.environ.get("OUT_JSON", g.REPO / "bench" / "results" / f"hicache_race_h200_{date}.json"))
+    path = Path(os.environ.get("OUT_JSON", g.REPO / "bench" / "results" / "hicache" / f"hicache_race_h200_{date}.json"))
     g.write_json(path, result)
     print("SUMMARY page_ops %d mism(fence) %d mism(no fence) %d caught %d/%d copy h2d %.2f d2h %.2f cs_overhead %.4f"
           % (ops_fence, bad_fence, bad_nofence, integ["caught"], integ["planted"], bw["copy_fraction_h2d"],

@@ -7,14 +7,14 @@ and page tables, this package's bf16 logits kernel and two upstream peers: the T
 (``SGLANG_OPT_USE_TILELANG_INDEXER=1`` from ``arg_groups/model_hook.py``), built here for sm_90 -- and,
 with ``--deepgemm``, DeepGEMM, the pin's default on sm_90: ``fp8_paged_mqa_logits`` for decode and
 target-verify, ``fp8_mqa_logits`` on the request's gathered keys for prefill (``deepgemm_info`` says how
-each is called). It writes bench/results/indexer_h200_<date>.json (or $OUT_JSON); without a peer its
+each is called). It writes bench/results/kernels/indexer_h200_<date>.json (or $OUT_JSON); without a peer its
 columns are None and the JSON says why.
 
     PYTHONPATH=src COMMIT=$(git rev-parse HEAD) python bench/indexer_h200.py --tilelang PATH/tilelang_kernel.py \
         [--deepgemm DEST]   # DEST from bench/build_deepgemm_device.sh build; --deepgemm-warm first compiles its kernels
 
 ``PATH/tilelang_kernel.py`` is ``sglang/kernels/ops/attention/dsa/tilelang_kernel.py`` from the
-sglang==0.5.23 wheel, run unmodified. The device image has no sglang, so the two sglang helpers that file
+sglang==0.5.23 wheel, run unmodified. The H200 image has no sglang, so the two sglang helpers that file
 imports (``is_fp8_fnuz``, ``is_hip``, ``is_gfx95_supported``: platform probes, all False on an NVIDIA
 GPU) are given as stand-in modules before it is loaded; nothing else of sglang is involved.
 
@@ -129,7 +129,7 @@ def fp8_query(q, w):
 def load_deepgemm(build: str | None):
     """DeepGEMM as built by bench/build_deepgemm_device.sh (``build`` holds deep_gemm/), or (None, why not)."""
     if not build:
-        return None, "no --deepgemm build given (bench/build_deepgemm_device.sh builds one on the device)"
+        return None, "no --deepgemm build given (bench/build_deepgemm_device.sh builds one on the GPU host)"
     sys.path.insert(0, str(Path(build).resolve()))
     try:
         import deep_gemm
@@ -152,7 +152,7 @@ def deepgemm_info(dg, build):
                         "the timed region and the CUDA graph: the pin builds it once per forward in "
                         "PagedIndexerMetadata, shared by every layer, before graph replay. The pin's default "
                         "planner is sglang's own JIT kernel (SGLANG_OPT_USE_JIT_INDEXER_METADATA), which needs "
-                        "sglang, absent on the device; this is DeepGEMM's planner; deepgemm_metadata_ms is its time",
+                        "sglang, absent on the H200 image; this is DeepGEMM's planner; deepgemm_metadata_ms is its time",
             "prefill": "fp8_mqa_logits(q [rows,64,128] e4m3, (keys [n,128] e4m3, scales [n] fp32), weights, "
                        "ks=0, ke=length or 0 where length <= 512, clean_logits=False, max_seqlen_k=align(n, 64)): "
                        "the pin's non-paged path for one request of >= 8192 rows (SGLANG_OPT_DSV4_NONPAGED_INDEXER), "
@@ -781,7 +781,7 @@ def main():
         g.write_json(path, result)
         return
     date = datetime.date.today().isoformat()
-    default = g.REPO / "bench" / "results" / f"indexer_h200_{date}.json"
+    default = g.REPO / "bench" / "results" / "kernels" / f"indexer_h200_{date}.json"
     path = Path(os.environ.get("OUT_JSON", "/tmp/indexer_dry.json" if args.dry_cpu else default))
     result["correctness_ragged"] = correctness_ragged(pool, gen)
     print("ragged", result["correctness_ragged"], flush=True)

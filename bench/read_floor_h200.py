@@ -11,13 +11,13 @@ table and split as a logits kernel would, and scores nothing:
   floor of that grid);
 * ``bulk``: the same in CUDA with Hopper's bulk copy engine (``cp.async.bulk`` of each whole page into a
   shared-memory ring, an mbarrier per stage, up to ``stages`` pages in flight per program): the fastest way
-  this chip moves whole pages, compiled by NVRTC through CuPy (the device image has CuPy, no build step).
+  this chip moves whole pages, compiled by NVRTC through CuPy (the H200 image has CuPy, no build step).
 
 ``page_bytes`` 16384 is our bf16 page (64 x 128 x 2); 8448 is upstream's fp8 page (64 x 128 e4m3 keys and 64
 fp32 scales), read from the fp8 pool the TileLang peer reads. Nothing here is a candidate kernel: their
 outputs are not logits and are not checked (``check_bulk`` checks the bulk floor reads what it should).
 
-Result (bench/results/indexer_h200_2026-12-01_floors_1a1755f.json, docs/DSV4_SM120_REPORT.md "Read floors"):
+Result (bench/results/kernels/indexer_h200_2026-12-01_floors_1a1755f.json, docs/DSV4_SM120_REPORT.md "Read floors"):
 at 512 pages the Triton read of the bf16 keys and the row's queries takes 1.01-1.02 of TileLang's complete
 fp8 kernel, the bulk-copy read 0.92-0.94; at 64 pages (1 x 4k) 0.92 and 0.83.
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The top-k poison tests (tests/kernels/test_topk_poison.py, marker gpu) on the lent H200, against the
+# The top-k poison tests (tests/kernels/test_topk_poison.py, marker gpu) on an H200 host, against the
 # pin's real CUDA top-k kernels: sglang 0.5.23's JIT top-k v1/v2 (`--dsa-topk-backend sgl-kernel`) and
 # flashinfer 0.7.2's top_k / top_k_page_table_transform (`flashinfer`, unfused and fused).
 #
@@ -11,29 +11,29 @@
 #                    python, data/include, data/cccl, data/spdlog and the top-k sources of data/csrc; the
 #                    cutlass trees it names as include paths are left empty: no top-k source includes
 #                    them) with its top-k module prebuilt (below), tvm_ffi 0.1.11 + torch_c_dlpack_ext
-#                    from .devcarry/kern_site.tar.xz (built for the device).
+#                    from .devcarry/kern_site.tar.xz (built for the H200 image).
 #   wheels/          cp312 wheels of the import chain's packages the image lacks (found by importing the
 #                    chain with only the image's package set visible).
 # sgl_kernel and deep_gemm, imported at module level on a CUDA host but never by a top-k transform,
 # get the stand-ins of tests/kernels/topk_standins.py (the test installs them only when missing).
 #
 # flashinfer's top-k module (topk.cu, cub_topk.cu and two bindings) takes tens of CPU-minutes to
-# compile (cub_topk.cu's segmented sorts), more than this issue's device budget. `aot` builds it here
-# with flashinfer's own JIT (same sources, flags and nvcc 13.0 as on the device, target sm_90a) and
+# compile (cub_topk.cu's segmented sorts), too long to spend on the GPU host. `aot` builds it on the CPU
+# machine with flashinfer's own JIT (same sources, flags and nvcc 13.0 as on the GPU host, target sm_90a) and
 # `pack` places the .so where flashinfer looks for an ahead-of-time build (data/aot/topk/topk.so); the
-# device run sets FLASHINFER_DISABLE_JIT=1, so a build that failed to load there fails fast instead of
-# recompiling. sglang's three top-k modules (v1, the cluster-occupancy probe, v2) compile on the device.
+# GPU run sets FLASHINFER_DISABLE_JIT=1, so a build that failed to load there fails fast instead of
+# recompiling. sglang's three top-k modules (v1, the cluster-occupancy probe, v2) compile on the GPU host.
 #
 #   aot    (here, once; 1649 s on 2 cores): bash bench/topk_poison_h200.sh aot  -> .devcarry/topk_aot/
 #   pack   (here):    bash bench/topk_poison_h200.sh pack
-#   device (H200, run tool with carry [".devcarry/topk"]):
+#   device (on the H200 host, with .devcarry/topk copied over; OUT= an output folder):
 #                     COMMIT=<git rev-parse HEAD here> bash bench/topk_poison_h200.sh device
 #                     -> $OUT/topk_poison_h200.txt (header, JIT compile times, pytest -v lines)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 CARRY=$ROOT/.devcarry/topk
-AOT=$ROOT/.devcarry/topk_aot   # not carried: pack copies its .so into pin_site.tar.xz
+AOT=$ROOT/.devcarry/topk_aot   # stays here: pack copies its .so into pin_site.tar.xz
 SGLANG_VERSION=0.5.23
 FLASHINFER_VERSION=0.7.2
 # The chain's packages the image lacks, at the venv's versions (pip download --no-deps, cp312).
@@ -122,7 +122,7 @@ device() {
         echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
         echo "commit: ${COMMIT:-unknown}"
         echo "nvcc: $(command -v nvcc), $(nvcc --version | tail -1)"
-        echo "flashinfer top-k module (carried ahead-of-time build): $(tr '\n' ' ' <"$site/flashinfer/data/aot/topk/BUILD_INFO")"
+        echo "flashinfer top-k module (ahead-of-time build from the bundle): $(tr '\n' ' ' <"$site/flashinfer/data/aot/topk/BUILD_INFO")"
         local rc=0
         (cd "$ROOT" && python3 tests/kernels/topk_device_run.py) || rc=$?
         echo "pytest exit: $rc"

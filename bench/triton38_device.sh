@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# Run the H200 benches under the pin's Triton 3.8 (sglang 0.5.23 -> torch 2.14.1 -> triton 3.8.0) instead of
-# the device image's 3.6. Its wheel is 248 MB and a device call carries 64 MiB, so it travels in three parts
-# (libtriton.so xz-compressed and split; CUPTI, nvdisasm and the Blackwell ptxas left out: the benches need
-# none of them) and is put together on the device, where /tmp survives while the machine stays warm (30 s
-# between calls). TileLang (the peer) needs its own two calls first; the whole chain is six calls.
+# Run the H200 benches under the pin's Triton 3.8 (sglang 0.5.23 -> torch 2.14.1 -> triton 3.8.0) on a GPU
+# host whose image has Triton 3.6 and no network. The Triton 3.8 wheel is 248 MB; `pack` (on a networked
+# machine) trims it (CUPTI, nvdisasm and the Blackwell ptxas left out: the benches need none of them),
+# xz-compresses libtriton.so and cuts it in three, so that the bundle moves in parts of at most 67 MB, one part
+# a step below (for hosts that accept uploads of limited size or a file system without room for the whole
+# wheel). Each step installs its part under /tmp (/tmp/site, /tmp/tr38) and `activate` joins the libtriton.so
+# pieces there again, so run the steps in order on one host and keep /tmp between them. TileLang (the peer
+# kernel) comes first.
 #
-#   here:   bash bench/triton38_device.sh pack
-#   device: call 1, carry .devcarry/tl1:        bash bench/triton38_device.sh tilelang1
-#           call 2, carry .devcarry/tl2 + .devcarry/tr38/p1:  bash bench/triton38_device.sh tilelang2 && bash bench/triton38_device.sh part1
-#           call 3, carry .devcarry/tr38/p2:    bash bench/triton38_device.sh part2
-#           call 4, carry .devcarry/tr38/p3 + .devcarry/w:
-#                   source bench/triton38_device.sh activate && COMMIT=<sha> python3 bench/indexer_h200.py --tilelang .devcarry/w/tilelang_kernel.py
+#   networked machine:  bash bench/triton38_device.sh pack
+#   GPU host, in order, each step after its folders have been copied over:
+#     .devcarry/tl1:                     bash bench/triton38_device.sh tilelang1
+#     .devcarry/tl2, .devcarry/tr38/p1:  bash bench/triton38_device.sh tilelang2 && bash bench/triton38_device.sh part1
+#     .devcarry/tr38/p2:                 bash bench/triton38_device.sh part2
+#     .devcarry/tr38/p3, .devcarry/w:    source bench/triton38_device.sh activate &&
+#                                        COMMIT=<sha> python3 bench/indexer_h200.py --tilelang .devcarry/w/tilelang_kernel.py
+#   A host that takes all of .devcarry at once runs the same steps one after another.
 #
 # .devcarry/tl1 holds tilelang 0.1.12, apache-tvm-ffi 0.1.11 and torch-c-dlpack-ext, .devcarry/tl2 z3-solver
 # 4.15.4.0, .devcarry/w the pinned sglang wheel's tilelang_kernel.py (pack makes all of them).
@@ -48,7 +53,7 @@ case "${1:-}" in
     rm -rf /tmp/site/triton && mkdir -p /tmp/site /tmp/tr38
     tar xJf "$CARRY"/tr38/p1/rest.tar.xz -C /tmp/site && cp "$CARRY"/tr38/p1/lib.xz.0 /tmp/tr38/ ;;
   part2) cp "$CARRY"/tr38/p2/lib.xz.1 /tmp/tr38/ ;;
-  activate)  # sourced: the last call's environment
+  activate)  # sourced: sets up this shell for the bench
     cat /tmp/tr38/lib.xz.0 /tmp/tr38/lib.xz.1 "$CARRY"/tr38/p3/lib.xz.2 | xz -d -T4 > /tmp/site/triton/_C/libtriton.so
     export PYTHONPATH=/tmp/site:src PYTHONWARNINGS=ignore::DeprecationWarning
     python3 -c "import triton; assert triton.__version__ == '3.8.0', triton.__version__; print('triton', triton.__version__)"

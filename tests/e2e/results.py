@@ -1,4 +1,4 @@
-"""The e2e session's figures as one JSON file (bench/results/e2e_cpu_<date>.json): what ran, where, what came out."""
+"""The e2e session's figures as one JSON file (bench/results/e2e/e2e_cpu_<date>.json): what ran, where, what came out."""
 
 from __future__ import annotations
 

@@ -42,10 +42,3 @@ def test_in_force_reports_invalid_values_without_raising(monkeypatch):
     monkeypatch.setenv("DSV4_SM120_INDEX_K_DTYPE", "int4")
     assert settings.in_force()["DSV4_SM120_INDEX_K_DTYPE"].startswith("INVALID")
 
-
-def test_readme_documents_every_switch():
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    for s in settings.SWITCHES:
-        assert f"`{s.env}`" in readme, f"{s.env} missing from the README switches table"

@@ -87,13 +87,13 @@ def test_v4_checkpoints_are_served_as_before(probe, dtype):
     assert probe[f"v4_sglang_{dtype}"]["class"] == UPSTREAM
 
 
-def test_readme_table_is_the_verdict_the_code_refuses_with():
+def test_doc_table_is_the_verdict_the_code_refuses_with():
     from pathlib import Path
 
     from dsv4_sm120.model.v41 import PIECES
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("## DeepSeek-V4.1\n", 1)[1].split("\n## ", 1)[0]
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "DSV4_V41.md").read_text()
+    section = doc.split("## Verdict per piece\n", 1)[1].split("\n## ", 1)[0]
     rows = [[cell.strip() for cell in line.strip("|").split(" | ")]
             for line in section.splitlines() if line.startswith("| ")][2:]
     assert [(name, verdict == "holds", evidence) for name, verdict, evidence in rows] == [

@@ -3,7 +3,7 @@
 The interpreter's bf16 ``tl.dot`` is wrong on the CPU (Triton 3.8), so the
 logits kernel upcasts its exact bf16 operands to fp32 there (``FP32_DOT``);
 the products are the same, only the tensor-core path differs, which the H200
-run covers (bench/results/indexer_h200_*.json).
+run covers (bench/results/kernels/indexer_h200_*.json).
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def test_decode_splits_fill_whole_waves(kern):
 
 def test_decode_residency_follows_the_gpus_shared_memory(kern, monkeypatch):
     ml = kern.mqa_logits
-    # the H200 figures the decode tunes were taken with (bench/results/indexer_h200_2026-12-01_tune_*.json)
+    # the H200 figures the decode tunes were taken with (bench/results/kernels/indexer_h200_2026-12-01_tune_*.json)
     assert {ns: ml.resident_programs(ml._H200, ns) for ns in range(2, 9)} == {2: 6, 3: 6, 4: 4, 5: 4, 6: 3, 7: 3, 8: 2}
     # sm_120 (RTX PRO 6000: 188 multiprocessors, 100 KiB of shared memory each; its build keeps the queries in
     # registers): one 8-stage program a multiprocessor, so one wave is 188 programs, not 376

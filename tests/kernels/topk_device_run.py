@@ -6,7 +6,7 @@ is a cold compile of one of sglang's top-k modules (nvcc through sglang's own ni
 tests reuse the loaded modules). v1 builds beside the occupancy probe and v2 (which needs the probe's
 answer first), so the compile times overlap. The private ``_jit_*`` loaders are upstream's own (sglang's
 ``kernels/ops/attention/dsv4/topk.py`` and ``kernels/jit/utils/occupancy.py``), called directly only to
-time them one by one; flashinfer's ``get_topk_module`` loads the carried ahead-of-time build.
+time them one by one; flashinfer's ``get_topk_module`` loads the ahead-of-time build that came in the bundle.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Stand-ins for packages of the pin that cannot load on the lent H200 and that no top-k transform runs.
+"""Stand-ins for packages of the pin that cannot load on the H200 image and that no top-k transform runs.
 
 On a CUDA host, sglang 0.5.23 imports ``sgl_kernel`` (the sglang-kernel 0.4.10 wheel: ahead-of-time CUDA
 ops, 1.2 GB, built against torch 2.14) at module level along the import chain to its DSV4 indexer
-(quantization schemes, layers). The H200 image has torch 2.11 and no sglang, and 1.2 GB cannot travel
-with a run. The transforms under test never call it: ``sgl-kernel`` v1/v2 are JIT kernels of
+(quantization schemes, layers). The H200 image has torch 2.11 and no sglang, and 1.2 GB is a lot to move to an
+air-gapped host for a module nothing calls. The transforms under test never call it: ``sgl-kernel`` v1/v2 are JIT kernels of
 ``sglang/kernels/jit`` (tvm-ffi + nvcc, despite the backend's name) and flashinfer's are flashinfer JIT
 kernels. Every name of a stand-in is a placeholder that raises when called, so a top-k path that did
 reach one fails loudly instead of passing.

@@ -8,7 +8,7 @@ the same answer: which fields differ between ranks. Two channels give that answe
   this operation's sequence number; every rank then reads the same rows and computes the same
   answer locally. One memory round trip instead of network hops: over gloo the same agreement
   (two collectives) added 0.37-0.60 ms per iteration at TP=2-8 on an idle 16-core host
-  (bench/results/guard_cpu_2026-11-30.json), far over the guard's 100 us budget.
+  (bench/results/guard/guard_cpu_2026-11-30.json), far over the guard's 100 us budget.
 - Gloo, across hosts or when the mapped file cannot be shared: the vectors are gathered to the
   group's first rank, which broadcasts one disagreement flag per field (two collective phases
   whatever the group size; a MIN/MAX all-reduce takes 2(N-1) sequential ring hops).

@@ -4,7 +4,7 @@ Every overlap PD iteration MIN-reduces the poll states of each non-empty bootstr
 pre-allocation and transfer queue over the TP (and CP) CPU group (upstream's
 ``disaggregation.utils._all_reduce_polls``, one gloo all-reduce each). On an idle 16-core host the
 idle iteration's two gloo collectives (request broadcast and one poll all-reduce) took 0.3 ms at
-TP=2 and 1.3 ms at TP=8 (bench/results/guard_cpu_2026-11-30.json), and the guard's agreement, a
+TP=2 and 1.3 ms at TP=8 (bench/results/guard/guard_cpu_2026-11-30.json), and the guard's agreement, a
 barrier placed just before the first poll, exposes that all-reduce's latency instead of letting it
 overlap the request broadcast's skew. Once the guard holds the ranks' queues equal, every rank issues the same sequence of poll
 reductions with lists of the same length, so they can go through the guard's shared-memory

@@ -7,8 +7,8 @@ The bf16 layout drops the scale section: a page row is 64 compressed slots of
 page ``s // SLOTS_PER_PAGE`` at byte offset ``(s % SLOTS_PER_PAGE) * 256`` of
 that page's row.
 
-This module imports no sglang: the Triton kernels and the device image read it
-without the serving stack.
+This module imports no sglang: the Triton kernels read it on a GPU host that has
+no serving stack.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Triton kernels for bf16 index keys, each with a plain torch reference.
 
-Imports torch and triton only, never sglang: the same modules run on the lent
-H200 image (Triton 3.6) and compile ahead of time for sm_90 and sm_120 in CI
+Imports torch and triton only, never sglang: the same modules run on an H200
+host whose image has no sglang (Triton 3.6) and compile ahead of time for sm_90 and sm_120 in CI
 (Triton 3.8). Modules:
 
 - ``layout``: the bf16 C4 index-K page contract shared with the memory pool.

@@ -47,7 +47,7 @@ import triton.language as tl
 from dsv4_sm120.kernels._common import interpreting
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, check_pages
 
-# Launch defaults, from the H200 sweeps in bench/results/indexer_h200_2026-12-01*.json (tune_*: decode
+# Launch defaults, from the H200 sweeps in bench/results/kernels/indexer_h200_2026-12-01*.json (tune_*: decode
 # timed in CUDA graphs over rotating page tables, prefill with do_bench).
 MIN_TILES_PER_PROGRAM = 1
 PREFILL_ROWS = 1024  # from this many query rows on, a program scores ROWS_PER_PROGRAM rows at once

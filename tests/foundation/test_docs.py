@@ -1,0 +1,116 @@
+"""The README and docs/ point only at what exists, and name every switch and every metric.
+
+Why: the README is an operator's front page and docs/ holds the evidence behind it. A result file moved
+or renamed, a switch added to settings.py or a collector added to metrics.py must fail here, not leave a
+document citing nothing or silent about a knob. Pure text checks plus two modules of the package
+(``settings``, ``metrics``) that import no sglang, so this runs in well under a second.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+
+from dsv4_sm120 import metrics, settings
+
+REPO = Path(__file__).resolve().parents[2]
+README = REPO / "README.md"
+DOCS = sorted((REPO / "docs").glob("*.md"))
+INDEX = REPO / "bench" / "results" / "README.md"
+RESULTS = REPO / "bench" / "results"
+
+# A repository path as the documents write it: from a top-level folder, not inside another path.
+PATH = re.compile(r"(?<![\w./$-])((?:src|tests|bench|docs|patches|\.ci)/[\w./*{},<>$-]*)")
+# "..._tune_59e42b1.json": a result file named by its tail, next to a full path of the same family.
+TAIL = re.compile(r"\.\.\._([\w.*-]+\.(?:json|txt|log))")
+# Run outputs a document describes but the repository does not hold: a user's own serving runs.
+WRITTEN_AT_RUN_TIME = ("bench/results/serving/",)
+METRIC = re.compile(r"sglang:dsv4_\w+(?![\w<])")
+
+
+def _cited_docs() -> list[Path]:
+    return [README, *DOCS, INDEX]
+
+
+def _expand(path: str) -> list[str]:
+    """``a_{x,y}.json`` -> both names; a placeholder (``<date>``, ``$(date ...)``, ``DATE``) -> a glob."""
+    path = path.rstrip(".,;:)")
+    path = re.split(r"[<$]|DATE", path)[0] + ("*" if re.search(r"[<$]|DATE", path) else "")
+    parts = re.split(r"\{([^{}]*)\}", path)
+    fixed, choices = parts[0::2], [p.split(",") for p in parts[1::2]]
+    return ["".join(itertools.chain.from_iterable(itertools.zip_longest(fixed, pick, fillvalue="")))
+            for pick in itertools.product(*choices)]
+
+
+def _exists(pattern: str) -> bool:
+    if any(ch in pattern for ch in "*?["):
+        return any(REPO.glob(pattern))
+    return (REPO / pattern).exists()
+
+
+def cited_paths(text: str) -> set[str]:
+    """Every repository path a document cites, braces expanded."""
+    return {p for raw in PATH.findall(text) for p in _expand(raw)
+            if not p.startswith(WRITTEN_AT_RUN_TIME) and p.rstrip("/") not in {"bench/results", ""}}
+
+
+def test_every_cited_path_exists():
+    missing = [f"{doc.relative_to(REPO)}: {p}" for doc in _cited_docs() for p in sorted(cited_paths(doc.read_text()))
+               if not _exists(p)]
+    assert not missing, "cited but not in the repository:\n" + "\n".join(missing)
+
+
+def test_every_result_file_named_by_its_tail_exists():
+    results = [p.name for p in RESULTS.rglob("*") if p.is_file()]
+    missing = [f"{doc.relative_to(REPO)}: ..._{tail}" for doc in _cited_docs() for tail in TAIL.findall(doc.read_text())
+               if not any(Path(name).match(f"*_{tail}") for name in results)]
+    assert not missing, "no file in bench/results ends so:\n" + "\n".join(missing)
+
+
+def _index_rows() -> dict[str, set[str]]:
+    """bench/results/README.md: topic folder -> the file names its table lists (braces expanded)."""
+    rows: dict[str, set[str]] = {}
+    for section in INDEX.read_text().split("\n## ")[1:]:
+        folder = section.split(" ", 1)[0].rstrip("/")
+        first_cells = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+        rows[folder] = {name for cell in first_cells for raw in re.findall(r"`([^`]+)`", cell) for name in _expand(raw)}
+    return rows
+
+
+def test_the_results_index_lists_every_file_and_only_files_that_exist():
+    rows = _index_rows()
+    for folder in sorted(p for p in RESULTS.iterdir() if p.is_dir()):
+        on_disk = {p.name for p in folder.iterdir() if p.is_file() and p.name != ".gitkeep"}
+        listed = rows.get(folder.name)
+        assert listed is not None, f"bench/results/{folder.name}/ has no section in bench/results/README.md"
+        assert listed <= on_disk, f"listed in the index, not in bench/results/{folder.name}/: {sorted(listed - on_disk)}"
+        if listed:  # a folder described as a whole (the GPU serving runs) lists no rows
+            assert on_disk <= listed, f"in bench/results/{folder.name}/, not in the index: {sorted(on_disk - listed)}"
+    loose = [p.name for p in RESULTS.iterdir() if p.is_file() and p.name != "README.md"]
+    assert not loose, f"result files outside a topic folder: {loose}"
+
+
+def test_the_readme_links_every_document():
+    readme = README.read_text()
+    details = readme.split("\n## Details\n", 1)[1]
+    unlinked = [doc.name for doc in DOCS if f"`docs/{doc.name}`" not in details]
+    assert not unlinked, f"docs not linked from the README's Details: {unlinked}"
+
+
+def test_the_readme_switch_table_has_every_switch_with_its_default():
+    rows = {line.split("|")[1].strip(): line for line in README.read_text().splitlines() if line.startswith("| `DSV4_SM120_")}
+    for switch in settings.SWITCHES:
+        row = rows.get(f"`{switch.env}`")
+        assert row, f"{switch.env} is missing from the README's switches table"
+        assert row.split("|")[2].strip() == f"`{switch.default}`", f"{switch.env}: the README's default is not {switch.default}"
+    assert set(rows) == {f"`{s.env}`" for s in settings.SWITCHES}, "the README's table names a switch settings.py lacks"
+
+
+def test_every_metric_is_named_in_the_readme_or_a_linked_doc():
+    readme = README.read_text()
+    linked = [doc for doc in DOCS if f"docs/{doc.name}" in readme]
+    named = set(METRIC.findall(readme)).union(*(METRIC.findall(doc.read_text()) for doc in linked))
+    exposed = metrics.exposed_names()
+    assert exposed <= named, f"on /metrics but named in no document: {sorted(exposed - named)}"
+    assert named <= exposed, f"named in a document but not a collector: {sorted(named - exposed)}"
