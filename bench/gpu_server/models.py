@@ -4,6 +4,9 @@
 window 128, 64 query heads for FlashMLA at TP=1, 64 index heads of 128, top-512), 4 layers whose
 compress ratios give two C4 layers (the ones with an indexer), one C128 and one SWA-only layer.
 
+``hicache``: ``tiny``'s dimensions with eight layers, six of them C4, so that a HiCache storm moves many
+index-K pages per token it loads back.
+
 ``flash12``: DeepSeek-V4-Flash's own attention and indexer dimensions (hidden 4096, 64 heads, q/o LoRA
 ranks 1024, 8 output groups, 64 index heads, window 128, YaRN x16 over 65536) and its layer pattern
 (two SWA-only layers, then C4 and C128 alternating) cut to 12 layers, with 8 routed experts of Flash's
@@ -64,6 +67,21 @@ MODELS = {
         "o_groups": 8,
         "num_hidden_layers": 4,
         "compress_ratios": [0, 4, 128, 4, 0],
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 256,
+        "num_hash_layers": 1,
+        "n_hash_layers": 1,
+        "vocab_size": 1024,
+    },
+    "hicache": {  # tiny's dimensions, six C4 layers: six index-K pages move with every 256 prefix tokens
+        "hidden_size": 1024,
+        "num_attention_heads": 64,
+        "q_lora_rank": 1024,
+        "o_lora_rank": 512,
+        "o_groups": 8,
+        "num_hidden_layers": 8,
+        "compress_ratios": [0, 4, 4, 4, 4, 4, 4, 128, 0],
         "n_routed_experts": 8,
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 256,

@@ -21,10 +21,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.gpu_server import scenarios
+from bench.gpu_server import hicache, scenarios
 from bench.gpu_server.servers import Started, launch_line, log_tail, start
 
-SETS = {"serve": (scenarios.serve_specs, scenarios.run_serve), "cost": (scenarios.cost_specs, scenarios.run_cost)}
+SETS = {"serve": (scenarios.serve_specs, scenarios.run_serve), "cost": (scenarios.cost_specs, scenarios.run_cost),
+        "hicache": (hicache.specs, hicache.run)}
 VERSIONS_PY = (
     "import json, importlib.metadata as m\n"
     "names = ['torch', 'triton', 'sglang', 'sglang-kernel', 'sgl-kernel', 'sgl-deep-gemm', 'deep-gemm',\n"
@@ -75,7 +76,7 @@ def _keep_logs(log_dir: Path, out_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_server run", description=__doc__.splitlines()[0])
-    ap.add_argument("set", choices=sorted(SETS), help="serve: scenarios a, b, e, f (tiny); cost: scenario c (flash12)")
+    ap.add_argument("set", choices=sorted(SETS), help="serve: scenarios a, b, e, f (tiny); cost: scenario c (flash12); hicache: the HiCache storm")
     ap.add_argument("--bundle", type=Path, default=Path(os.environ.get("DSV4_BUNDLE_ROOT", "/tmp/dsv4-bundle/root")),
                     help="the unpacked bundle (its models/ holds the checkpoints)")
     ap.add_argument("--out", type=Path, required=True, help="the JSON to write")
@@ -105,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                              for s in started}
         urls = {s.spec.name: s.url for s in started}
         logs = {s.spec.name: (lambda p=s.proc.log: p.read_text(errors="replace")) for s in started}
-        record["results"] = (run_set(urls, logs) if args.set == "serve"
-                             else run_set(urls, profile_dir=log_dir / "profiles"))
+        record["results"] = run_set(urls, logs, log_dir / "work")
         record["dead_after_traffic"] = [s.spec.name for s in started if not s.proc.alive()]
     except Exception as exc:  # the JSON says what failed; the logs are kept either way
         record["error"] = f"{type(exc).__name__}: {exc}"

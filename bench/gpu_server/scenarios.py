@@ -85,7 +85,7 @@ def built_lines(log_text: str) -> list[str]:
     return [ln.strip() for ln in log_text.splitlines() if MODEL_BUILT_MARK in ln]
 
 
-def run_serve(servers: dict, logs: dict) -> dict:
+def run_serve(servers: dict, logs: dict, work_dir=None) -> dict:
     """Scenarios a, b, e, f over the started servers (name -> url); ``logs``: name -> callable giving the log."""
     cfg = models.config("tiny")
     vocab, topk, layers = cfg["vocab_size"], cfg["index_topk"], models.c4_layers("tiny")
@@ -147,7 +147,7 @@ def _abba(names: list[str]) -> list[str]:
     return names + names[::-1]
 
 
-def run_cost(servers: dict, profile_dir=None) -> dict:
+def run_cost(servers: dict, logs: dict | None = None, work_dir=None) -> dict:
     """Decode step (ms) at batch 1/8/64 x context 4k/32k and prefill (ms) of 4k/16k, each server visited in
     ABBA order per point (the mean of its two visits); step = (T(short + STEPS) - T(short)) / STEPS on a
     batch whose context prefix is cached, so prefill cancels out."""
@@ -179,12 +179,12 @@ def run_cost(servers: dict, profile_dir=None) -> dict:
         prefill[str(length)] = {n: {"ms": round(statistics.median(v), 3), "visits_ms": [round(x, 3) for x in v]}
                                 for n, v in visits.items()}
     shares = {}
-    if profile_dir is not None:  # after the timed visits: a profile window slows the step it records
+    if work_dir is not None:  # after the timed visits: a profile window slows the step it records
         for batch, ctx in DECODE_POINTS:
             for name in names:
                 try:
                     shares[f"{name} decode {batch}x{ctx}"] = profile_decode(
-                        servers[name], profile_dir, f"{name}_{batch}x{ctx}", batch, ctx, prefixes[ctx], vocab)
+                        servers[name], work_dir, f"{name}_{batch}x{ctx}", batch, ctx, prefixes[ctx], vocab)
                 except Exception as exc:  # a figure the run could not take is said, not fatal
                     shares[f"{name} decode {batch}x{ctx}"] = {"error": f"{type(exc).__name__}: {exc}"}
     return {"decode": decode, "prefill": prefill, "ratios": ratios(decode, prefill), "indexer_share": shares}

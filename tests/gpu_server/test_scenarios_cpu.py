@@ -21,13 +21,31 @@ from bench.gpu_server import models, scenarios, traffic
 
 
 def _serve(tokens_of, topk_of):
+    calls = {"n": 0}
+
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
             pass
 
+        def do_GET(self):  # /metrics: pages checked grow with every /generate answered
+            data = (f"sglang:dsv4_index_k_pages_checked_total {48.0 * calls['n']}\n"
+                    f'sglang:dsv4_index_k_pages_quarantined{{tp_rank="0"}} 0.0\n').encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             n = body["sampling_params"]["max_new_tokens"]
+            if body.get("stream"):  # a streaming client that goes away after the first bytes
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"data: {}\n\n")
+                return
+            calls["n"] += 1
+            if isinstance(body["input_ids"][0], int):
+                body["input_ids"] = [body["input_ids"]]
             out = []
             for ids in body["input_ids"]:
                 item = {"output_ids": tokens_of(ids, n), "meta_info": {}}
@@ -130,3 +148,43 @@ def test_cost_visits_every_server_in_abba_order_and_reads_a_profile(monkeypatch,
         json.dump({"traceEvents": events}, f)
     shares = scenarios.kernel_shares(trace)
     assert shares["logits_share"] == 0.3 and shares["topk_share"] == 0.1 and shares["kernel_us"] == 100.0
+
+
+def test_hicache_storm_compares_waves_with_hicache_off_and_reads_the_counters(monkeypatch):
+    from bench.gpu_server import hicache
+
+    monkeypatch.setattr(hicache, "SESSIONS", 8)
+    monkeypatch.setattr(hicache, "GROUPS", 4)
+    monkeypatch.setattr(hicache, "ROUNDS", 2)
+    monkeypatch.setattr(hicache, "WAVE", 4)
+    monkeypatch.setattr(hicache, "PREFIX_TOKENS", 100)
+    monkeypatch.setattr(hicache, "CANCEL_EVERY_S", 0.01)
+    started = {"hc_kernel_layer_first": _serve(_tokens(0), _topk(0)), "off": _serve(_tokens(0), _topk(0)),
+               "hc_direct": _serve(_tokens(3), _topk(0))}
+    try:
+        urls = {name: url for name, (_, url) in started.items()}
+        res = hicache.run(urls, {name: (lambda: "") for name in urls})
+    finally:
+        for server, _ in started.values():
+            server.shutdown()
+    storm = res["storms"]["hc_kernel_layer_first"]
+    assert storm["requests"] == 16 and storm["failed_waves"] == []
+    assert storm["metrics"]["index_k_pages_checked_total"] == 48.0 * 4  # 4 waves answered during the storm
+    assert res["outputs_vs_off"]["hc_kernel_layer_first"] == {"equal": 16, "compared": 16}
+    assert res["outputs_vs_off"]["hc_direct"]["equal"] == 0
+
+
+def test_the_fault_plugin_is_found_by_sglangs_plugin_group_only_on_its_path():
+    import os
+    import subprocess
+    import sys
+
+    from bench.gpu_server import hicache
+
+    probe = ("import importlib.metadata as m; "
+             "print(sorted(e.name for e in m.entry_points(group='sglang.srt.plugins')))")
+    env = {**os.environ, "PYTHONPATH": f"{hicache.FAULTS_DIR}:{os.environ.get('PYTHONPATH', '')}"}
+    with_faults = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True).stdout
+    plain = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout
+    assert "dsv4_test_faults" in with_faults and "dsv4" in with_faults
+    assert "dsv4_test_faults" not in plain

@@ -1,0 +1,161 @@
+"""The ``hicache`` set: bf16 index-K pages through upstream's real HiCache copy kernels under a storm.
+
+Servers (``--model-impl dsv4``, ``DSV4_SM120_INDEX_K_CHECKSUM=1``, a device pool of 32768 tokens, far less
+than the sessions' prefixes, so they are evicted, backed up and loaded back all the time; a host pool 4x
+that): one per io backend and host layout the pin supports for DeepSeek-V4 (``kernel`` with ``layer_first``
+and ``page_first``; ``direct``, which upstream itself moves to ``page_first_direct``), one with HiCache off
+for the token comparison, the same pair with fp8 keys, and two controls that load a test-side sglang
+plugin (``tests/gpu_server/faults``, never in the wheel): one corrupts a single index-K page after a load
+lands, one takes the package's load fence out of its bf16 accessors.
+
+The storm: ``SESSIONS`` multi-turn sessions in ``GROUPS`` groups, each group sharing a long prefix (past
+the 2048 tokens after which the top-512 selection is active), ``ROUNDS`` rounds in which every session
+takes a turn. Each round goes out in waves of ``WAVE`` sessions, each wave ONE batched ``/generate``
+call, in the same order on every server: so a request's batch is the same on the HiCache server and on
+the server without HiCache, and their greedy tokens can be held against each other request by request.
+Beside the waves, streaming requests on the same prefixes are cut after their first bytes, so aborts
+land while pages move; those are not compared.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import random
+import re
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+
+from bench.gpu_server import models, traffic
+from bench.gpu_server.servers import ServerSpec
+
+SESSIONS, GROUPS, ROUNDS, WAVE = 64, 16, 12, 16
+PREFIX_TOKENS, TURN_TOKENS, NEW_TOKENS = 3072, 48, 16
+CANCEL_EVERY_S = 0.25
+FAULTS_DIR = Path(__file__).resolve().parents[2] / "tests" / "gpu_server" / "faults"
+METRICS = ("index_k_pages_checked_total", "index_k_pages_recorded_total", "index_k_mismatches_total",
+           "index_k_requests_failed_total", "index_k_pages_quarantined")
+
+_HICACHE = ["--enable-hierarchical-cache", "--hicache-ratio", "4"]
+LAYOUTS = {
+    "kernel_layer_first": ["--hicache-io-backend", "kernel", "--hicache-mem-layout", "layer_first"],
+    "kernel_page_first": ["--hicache-io-backend", "kernel", "--hicache-mem-layout", "page_first"],
+    "direct": ["--hicache-io-backend", "direct", "--hicache-mem-layout", "page_first_direct"],
+}
+
+
+def _spec(name: str, index_k: str, hicache: list[str] | None, fault: str = "") -> ServerSpec:
+    env = {"DSV4_SM120_INDEX_K_CHECKSUM": "1"}
+    if fault:
+        env.update({"DSV4_TEST_FAULT": fault, "PYTHONPATH": f"{FAULTS_DIR}:{_pythonpath()}"})
+    return ServerSpec(name, "hicache", "dsv4", index_k=index_k, mem_fraction=0.3, max_total_tokens=32768,
+                      context_length=8192, max_running=WAVE, chunked_prefill=4096,
+                      extra_args=(_HICACHE + hicache) if hicache is not None else [], extra_env=env)
+
+
+def _pythonpath() -> str:
+    return os.environ.get("PYTHONPATH", "")
+
+
+def specs() -> list[ServerSpec]:
+    out = [_spec(f"hc_{name}", "bf16", args) for name, args in LAYOUTS.items()]
+    out += [_spec("off", "bf16", None), _spec("hc_kernel_layer_first_fp8", "fp8", LAYOUTS["kernel_layer_first"]),
+            _spec("off_fp8", "fp8", None),
+            _spec("control_planted_page", "bf16", LAYOUTS["kernel_layer_first"], fault="plant_one_page"),
+            _spec("control_fence_off", "bf16", LAYOUTS["kernel_layer_first"], fault="fence_off")]
+    return out
+
+
+def scrape(url: str) -> dict:
+    """The package's index-K integrity series on a server's /metrics (summed over label sets)."""
+    text = traffic.get_text(url, "/metrics")
+    out = {}
+    for name in METRICS:
+        pattern = re.compile(rf"^sglang:dsv4_{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.M)
+        out[name] = sum(float(v) for v in pattern.findall(text))
+    return out
+
+
+class Canceller(threading.Thread):
+    """Streaming requests on the storm's prefixes, each cut after its first bytes (a client going away)."""
+
+    def __init__(self, url: str, prefixes: list[list[int]], vocab: int):
+        super().__init__(daemon=True)
+        self.url, self.prefixes, self.vocab = urllib.parse.urlparse(url), prefixes, vocab
+        self.stop, self.sent, self.errors = threading.Event(), 0, 0
+
+    def run(self) -> None:
+        rng = random.Random(7)
+        while not self.stop.is_set():
+            ids = self.prefixes[rng.randrange(len(self.prefixes))] + traffic.prompt(rng.randrange(1 << 30), 32, self.vocab)
+            body = json.dumps({"input_ids": ids, "stream": True,
+                                       "sampling_params": {"temperature": 0.0, "max_new_tokens": 64, "ignore_eos": True}})
+            try:
+                conn = http.client.HTTPConnection(self.url.hostname, self.url.port, timeout=30)
+                conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
+                conn.getresponse().read(64)
+                conn.close()  # gone mid-stream: the server aborts the request
+                self.sent += 1
+            except OSError:
+                self.errors += 1
+            self.stop.wait(CANCEL_EVERY_S)
+
+
+def storm(url: str) -> dict:
+    """The storm on one server: per wave its requests' digests (or errors), plus the integrity counters."""
+    vocab = models.config("hicache")["vocab_size"]
+    prefixes = [traffic.prompt(31000 + g, PREFIX_TOKENS, vocab) for g in range(GROUPS)]
+    history = {s: list(prefixes[s % GROUPS]) for s in range(SESSIONS)}
+    before = scrape(url)
+    canceller = Canceller(url, prefixes, vocab)
+    canceller.start()
+    waves, failed, t0 = [], [], time.monotonic()
+    try:
+        for rnd in range(ROUNDS):
+            order = list(range(SESSIONS))
+            random.Random(rnd).shuffle(order)  # groups interleave, so prefixes keep leaving the device
+            for w in range(0, SESSIONS, WAVE):
+                sessions = order[w:w + WAVE]
+                ids = [history[s] + traffic.prompt(rnd * 1000 + s, TURN_TOKENS, vocab) for s in sessions]
+                try:
+                    _, results = traffic.generate(url, ids, NEW_TOKENS)
+                except traffic.RequestFailed as exc:
+                    failed.append({"round": rnd, "wave": w // WAVE, "error": str(exc)[:600]})
+                    waves.append(None)
+                    continue
+                waves.append([traffic.digest(r) for r in results])
+                for s, prompt_ids, r in zip(sessions, ids, results):
+                    history[s] = prompt_ids + traffic.output_ids(r)
+    finally:
+        canceller.stop.set()
+        canceller.join(10)
+    after = scrape(url)
+    return {"waves": waves, "failed_waves": failed, "seconds": round(time.monotonic() - t0, 1),
+            "requests": sum(len(w) for w in waves if w), "cancelled_streams": canceller.sent,
+            "metrics": {k: after[k] - before[k] for k in METRICS if not k.endswith("quarantined")}
+            | {"index_k_pages_quarantined": after["index_k_pages_quarantined"]}}
+
+
+def agreement(a: dict, b: dict) -> dict:
+    """Requests whose greedy tokens are equal on two servers' storms (waves that failed on either skipped)."""
+    same = total = 0
+    for wa, wb in zip(a["waves"], b["waves"]):
+        if wa is None or wb is None:
+            continue
+        same += sum(x == y for x, y in zip(wa, wb))
+        total += len(wa)
+    return {"equal": same, "compared": total}
+
+
+def run(servers: dict, logs: dict, work_dir=None) -> dict:
+    storms = {name: storm(url) for name, url in servers.items()}
+    out = {"storms": {n: {k: v for k, v in s.items() if k != "waves"} for n, s in storms.items()}}
+    out["outputs_vs_off"] = {n: agreement(s, storms["off_fp8" if n.endswith("_fp8") else "off"])
+                             for n, s in storms.items() if n.startswith(("hc_", "control_")) and
+                             ("off_fp8" if n.endswith("_fp8") else "off") in storms}
+    out["mismatch_lines"] = {n: [ln for ln in logs[n]().splitlines() if "index-K checksum mismatch" in ln][:5]
+                             for n in servers}
+    return out

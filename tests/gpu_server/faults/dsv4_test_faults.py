@@ -1,0 +1,74 @@
+"""Test-only faults for the GPU HiCache controls, loaded by sglang as a plugin of its own.
+
+This folder goes on a control server's ``PYTHONPATH`` (``bench/gpu_server/hicache.py``); its dist-info
+registers :func:`register` in the ``sglang.srt.plugins`` group, so every process of that server loads it
+beside the package. Nothing here is in the wheel and no product switch reaches it; ``DSV4_TEST_FAULT``
+picks the fault:
+
+- ``plant_one_page``: after upstream's copy kernel has loaded a bf16 index-K layer back from host (and
+  before the package verifies it), one byte of one loaded page is flipped, once per process: the
+  integrity mode must count it, name the page and layer, quarantine the page and fail its request.
+- ``fence_off``: the package's bf16 index-K accessors stop waiting for the layer's HiCache load to land
+  (upstream's own accessors of that layer are left as they are), to show what upstream's ordering gives
+  without the package's fence.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("dsv4_test_faults")
+PLANT_AFTER_LOADS = 20  # let the storm warm up first
+PLANT_LAYER = 1  # the host pool's local layer index of the page to corrupt
+PLANT_BYTE = 1000
+
+
+def _plant_one_page() -> None:
+    from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
+
+    original = DeepSeekV4PagedHostPool.load_to_device_per_layer
+    state = {"loads": 0, "planted": False}
+
+    def load_then_flip(self, device_pool, host_indices, device_indices, layer_id, io_backend, **kwargs):
+        original(self, device_pool, host_indices, device_indices, layer_id, io_backend, **kwargs)
+        if getattr(self, "index_k_ledger", None) is None or layer_id != PLANT_LAYER or state["planted"]:
+            return
+        if not self._has_transfer_indices(host_indices, device_indices):
+            return
+        state["loads"] += 1
+        if state["loads"] < PLANT_AFTER_LOADS:
+            return
+        device_page = int(self._to_page_indices(device_indices)[0])
+        rows = self.device_buffers[layer_id]
+        rows[device_page, PLANT_BYTE] = rows[device_page, PLANT_BYTE] ^ 0x40  # on the load's stream, after the copy
+        state["planted"] = True
+        logger.error("dsv4_test_faults: flipped byte %d of device page %d, layer %d, after its load",
+                     PLANT_BYTE, device_page, layer_id)
+
+    DeepSeekV4PagedHostPool.load_to_device_per_layer = load_then_flip
+
+
+def _fence_off() -> None:
+    from dsv4_sm120.index_k.pool import DSV4SM120TokenToKVPool
+
+    def pages_bf16(self, layer_id):
+        pool, local = self._bf16_index_pool(layer_id)
+        return pool.pages_bf16(local)
+
+    def set_bf16(self, layer_id, slot_indices, keys):
+        pool, local = self._bf16_index_pool(layer_id)
+        pool.write_slots(local, slot_indices, keys)
+
+    DSV4SM120TokenToKVPool.index_k_pages_bf16 = pages_bf16
+    DSV4SM120TokenToKVPool.set_index_k_bf16 = set_bf16
+
+
+def register() -> None:
+    fault = os.environ.get("DSV4_TEST_FAULT", "")
+    if fault == "plant_one_page":
+        _plant_one_page()
+    elif fault == "fence_off":
+        _fence_off()
+    elif fault:
+        raise ValueError(f"DSV4_TEST_FAULT={fault!r}: expected plant_one_page or fence_off")
