@@ -11,21 +11,17 @@ of Python in the package and in Triton.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import logits_case
+from helpers import harness_result, logits_case
 
 HARNESS = Path(__file__).with_name("launch_run.py")
 WRAPPERS = ("index_query", "mqa_logits", "index_k_store")
-# Python lines a steady-state eager call executes in the package and Triton (today 105-176); one decode split
-# search at the capture width alone is over 6,000.
+# Python lines a steady-state eager call executes in the package and Triton (today 105-176); a decode split
+# search at the capture width adds about 850 for the harness's 8 rows (over 6,000 for one row).
 MAX_LINES = 300
 
 
@@ -46,11 +42,7 @@ def test_decode_split_search_runs_once_per_shape(kern, monkeypatch):
 
 @pytest.fixture(scope="module")
 def eager() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(HARNESS)], env=env, capture_output=True, text=True, timeout=600)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line is not None, f"launch harness failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    return json.loads(line[len("RESULT "):])
+    return harness_result(HARNESS)
 
 
 @pytest.mark.parametrize("name", WRAPPERS)

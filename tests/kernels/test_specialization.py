@@ -10,25 +10,18 @@ passed without ``do_not_specialize`` splits the sweep into more keys than the wa
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import harness_result
 
 HARNESS = Path(__file__).with_name("specialization_run.py")
 
 
 @pytest.fixture(scope="module")
 def keys() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HARNESS.parent), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(HARNESS)], env=env, capture_output=True, text=True, timeout=600)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line is not None, f"specialization harness failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    return json.loads(line[len("RESULT "):])
+    return harness_result(HARNESS)
 
 
 def test_warmup_compiles_every_variant_the_sweep_meets(keys):

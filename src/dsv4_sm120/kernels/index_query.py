@@ -63,7 +63,8 @@ def index_query_bf16(q, weights, weight_scale: float, freqs, positions):
     tokens, heads = q.shape[0], q.shape[1]
     if not q.is_contiguous():
         q = q.contiguous()
-    weights = weights.reshape(tokens, heads)
+    if weights.dim() != 2:  # [T, H, 1] (_check has matched the first two dims to q's)
+        weights = weights.reshape(tokens, heads)
     if not weights.is_contiguous():
         weights = weights.contiguous()
     if not positions.is_contiguous():
