@@ -1,9 +1,10 @@
 """Kernel launches that skip Triton's per-call dispatch once a specialization has been launched.
 
 ``kernel[grid](...)`` binds every argument, specializes each one, turns the result into a string key and
-looks the compiled kernel up, on every call. For the indexer's logits kernel (28 parameters) that was most
-of the ~40 us an eager call spent on the host beyond its kernel on the H200 (issue 24: 0.057 ms eager with
-the split count given, 0.018 ms in a CUDA graph), paid per C4 layer per step. :func:`launch` keeps the
+looks the compiled kernel up, on every call. For the indexer's logits kernel (28 parameters) that is part of
+the ~40 us an eager call spent on the host beyond its kernel on the H200 (issue 24: 0.057 ms eager with the
+split count given, 0.018 ms in a CUDA graph), paid per C4 layer per step; bench/indexer_h200.py's eager table
+times both launch paths. :func:`launch` keeps the
 ``CompiledKernel`` that Triton's own launch returned, keyed by kernel, device, launch options and the
 argument specialization (:func:`specialization_key`), and hands later launches of that key straight to it,
 the call ``JITFunction.run`` makes after its lookup (same launcher arguments, same launch hooks).
