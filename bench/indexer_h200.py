@@ -24,6 +24,14 @@ page table); prefill dense and causal at 8192 and 32768 (one request: every row 
 Keys are gathered through random page permutations, as in serving. The fp8 side reads fp8 pages made
 from the same keys (per-token e4m3 with an fp32 scale, upstream's 132-byte layout).
 
+Eager host cost (issue 24 d): decode B in {1, 8, 64} x {4k, 32k, 128k} keys at the capture width as eager calls
+(wall clock of back-to-back calls, host included), with every host cache and as before issue 24, beside the
+CUDA-graph replay and the kernel alone (``eager`` in the JSON; ``eager_section`` says what each field is).
+``--eager-only`` runs only that table (under a minute on the H200) and writes
+bench/results/indexer_h200_eager_<date>.json (or $OUT_JSON):
+
+    PYTHONPATH=src COMMIT=$(git rev-parse HEAD) python bench/indexer_h200.py --eager-only
+
 Timing: decode and target-verify run as in serving, each kernel's launches captured in one CUDA graph
 over independent page draws (at least 512 MiB of keys per replay, so no launch finds its keys in L2),
 five alternating rounds, the median; with do_bench (L2 flush before each call, host launch in the
@@ -41,6 +49,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -50,15 +59,18 @@ import torch  # noqa: E402
 
 from dsv4_sm120.kernels.index_k_store import store_index_k_bf16, store_index_k_bf16_ref  # noqa: E402
 from dsv4_sm120.kernels.index_query import index_query_bf16, index_query_bf16_ref  # noqa: E402
+from dsv4_sm120.kernels import launch as kernel_launch  # noqa: E402
+from dsv4_sm120.kernels import mqa_logits  # noqa: E402
 from dsv4_sm120.kernels.mqa_logits import bf16_paged_mqa_logits, decode_splits, paged_mqa_logits_ref  # noqa: E402
 
 H, D, PAGE, TOPK = 64, 128, 64, 512
 CAPTURE_WIDTH = 262144  # a 1M-token context: upstream's decode logits width is the capture width
 DEV = "cuda"
-SIZES = dict(decode_b=(1, 8, 64, 256), decode_live=(4096, 32768, 131072), width=CAPTURE_WIDTH,
+SIZES = dict(eager_b=(1, 8, 64), eager_live=(4096, 32768, 131072), eager_calls=200,
+             decode_b=(1, 8, 64, 256), decode_live=(4096, 32768, 131072), width=CAPTURE_WIDTH,
              verify=((8, 32768), (64, 32768)), prefill=(8192, 32768), sweep_n=8192, check_rows=3,
              store_n=16384, store_pool=2048, query_t=8192, ragged_max=70001, max_pos=65536)
-DRY_SIZES = dict(decode_b=(1, 2), decode_live=(256,), width=1024, verify=((2, 256),), prefill=(128,), sweep_n=128,
+DRY_SIZES = dict(eager_b=(1, 2), eager_live=(256,), eager_calls=3, decode_b=(1, 2), decode_live=(256,), width=1024, verify=((2, 256),), prefill=(128,), sweep_n=128,
                  check_rows=2, store_n=32, store_pool=4, query_t=4, ragged_max=1100, max_pos=2048)
 
 
@@ -434,6 +446,105 @@ def decode_section(peers, pool, gen, read_gbps):
     return rows_out
 
 
+def _sync():
+    if not g._DRY["on"]:
+        torch.cuda.synchronize()
+
+
+def _eager_us(fn, calls, before_each=None, rounds=3):
+    """Host-inclusive time of one eager call as a user meets it: wall clock of ``calls`` back-to-back calls from a
+    sync to the sync after the last, over ``calls``; the median of ``rounds``."""
+    times = []
+    for _ in range(rounds):
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            if before_each is not None:
+                before_each()
+            fn()
+        _sync()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return sorted(times)[len(times) // 2]
+
+
+def _graph_us(fn, calls, rounds=3):
+    """One CUDA graph of ``calls`` launches: wall clock of a replay from a sync to its sync, over ``calls``."""
+    graph = _capture([fn] * calls)
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def _kernel_us(fn, calls):
+    """Mean duration of the logits kernel itself over ``calls`` eager launches, from the CUDA profiler (CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    spans = [e.time_range.elapsed_us() for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA and "_logits_kernel" in e.name]
+    if not spans:
+        raise RuntimeError("the profiler recorded no _logits_kernel launch")
+    return sum(spans) / len(spans)
+
+
+def eager_section(pool, gen):
+    """Decode logits as eager calls, host time included, beside CUDA-graph replays and the kernel alone (issue 24 d).
+
+    Per shape (rows x live keys, width = the capture width, the same inputs every call, so keys may sit in L2:
+    the decode section has the L2-cold kernel times): ``eager_us`` with every host cache (split counts kept,
+    direct launch); ``eager_triton_dispatch_us`` with Triton's own dispatch instead of the direct launch;
+    ``eager_before_us`` as before issue 24, the split search run before every call (its cache emptied) and
+    Triton's dispatch (the search itself now divides without ``triton.cdiv``, so this understates the old cost);
+    ``graph_us`` per launch of a captured graph; ``kernel_us`` the kernel alone (CUPTI); ``host_added_us`` =
+    eager minus kernel. ``split_search_us`` is one search on the host. Dry runs time eager calls only.
+    """
+    rows_out = []
+    calls, width, dry = SIZES["eager_calls"], SIZES["width"], g._DRY["on"]
+    for b in SIZES["eager_b"]:
+        for live in SIZES["eager_live"]:
+            q, w, sl, pt = case(pool.shape[0], b, [live] * b, width, gen)
+            w = w.unsqueeze(-1)  # as index_query_bf16 returns the head weights
+            scratch = torch.empty((b, width), dtype=torch.float32, device=DEV)
+            eager = lambda: bf16_paged_mqa_logits(q, pool, w, sl, pt, width)  # noqa: E731  (allocates, as the model)
+            eager()
+            res = {"shape": "eager_decode", "B": b, "live": live, "width": width, "calls": calls,
+                   "splits": decode_splits(b, width, device=pool.device, num_stages=mqa_logits.DECODE_CONFIG["num_stages"],
+                                           heads=H)}
+            res["eager_us"] = _eager_us(eager, calls)
+            direct, kernel_launch.DIRECT = kernel_launch.DIRECT, False
+            try:
+                res["eager_triton_dispatch_us"] = _eager_us(eager, calls)
+                res["eager_before_us"] = _eager_us(eager, calls, before_each=mqa_logits._SPLITS.clear)
+            finally:
+                kernel_launch.DIRECT = direct
+            t0 = time.perf_counter()
+            mqa_logits._SPLITS.clear()
+            decode_splits(b, width, device=pool.device, num_stages=mqa_logits.DECODE_CONFIG["num_stages"], heads=H)
+            res["split_search_us"] = (time.perf_counter() - t0) * 1e6
+            res["graph_us"] = res["kernel_us"] = res["host_added_us"] = None
+            if not dry:
+                res["graph_us"] = _graph_us(lambda: bf16_paged_mqa_logits(q, pool, w, sl, pt, width, out=scratch), calls)
+                try:
+                    res["kernel_us"] = _kernel_us(eager, calls)
+                    res["host_added_us"] = res["eager_us"] - res["kernel_us"]
+                    res["host_added_before_us"] = res["eager_before_us"] - res["kernel_us"]
+                except Exception as exc:  # no CUPTI: the graph time stands in for the kernel's
+                    res["kernel_us_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows_out.append(res)
+            print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()), flush=True)
+            del q, w, sl, pt, scratch
+    return rows_out
+
+
 def verify_section(peers, pool, gen):
     rows_out = []
     for b, live in SIZES["verify"]:
@@ -736,6 +847,8 @@ def main():
     ap.add_argument("--tune-decode-only", action="store_true", help="with --tune-only: decode configurations only")
     ap.add_argument("--tune-prefill-only", action="store_true", help="with --tune-only: prefill configurations only")
     ap.add_argument("--dry-cpu", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): checks the script")
+    ap.add_argument("--eager-only", action="store_true",
+                    help="only the eager-vs-graph host-cost table of decode logits (its own JSON, under a minute)")
     ap.add_argument("--deepgemm", help="a DeepGEMM build from bench/build_deepgemm_device.sh (the folder holding deep_gemm/)")
     ap.add_argument("--deepgemm-warm", action="store_true", help="only JIT-compile DeepGEMM's kernel variants, in parallel")
     ap.add_argument("--deepgemm-warm-one", help=argparse.SUPPRESS)
@@ -754,6 +867,14 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     meta = g.run_meta()
     print(meta, flush=True)
+    if args.eager_only:
+        pool = torch.randn((max(SIZES["eager_b"]) * max(SIZES["eager_live"]) // PAGE, PAGE, D), generator=gen,
+                           device=DEV).to(torch.bfloat16)
+        result = {**meta, "capture_width": SIZES["width"], "eager": eager_section(pool, gen)}
+        date = datetime.date.today().isoformat()
+        g.write_json(Path(os.environ.get("OUT_JSON", "/tmp/indexer_eager_dry.json" if args.dry_cpu else
+                                         g.REPO / "bench" / "results" / f"indexer_h200_eager_{date}.json")), result)
+        return
     ceil = {**g.hbm_ceilings(), **g.gemm_ceiling(), **g.fp8_gemm_ceiling()}
     print(ceil, flush=True)
     result = {**meta, "ceilings": ceil, "capture_width": SIZES["width"]}
@@ -789,6 +910,8 @@ def main():
     print("store/query", result["store_query"], flush=True)
     # the JSON is rewritten after each timed section, so a run cut short keeps what it finished
     result["decode"] = decode_section(paged_peers, pool, gen, ceil["hbm_read_gbps"])
+    g.write_json(path, result)
+    result["eager"] = eager_section(pool, gen)
     g.write_json(path, result)
     result["target_verify"] = verify_section(paged_peers, pool, gen)
     g.write_json(path, result)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -67,3 +71,13 @@ def check_logits(out, ref, lens):
     assert out[~live].isnan().all(), "nothing written past a row's length (the NaN poison is intact)"
     assert ((out[live] - ref[live]).norm() / ref[live].norm()) < 1e-5
     assert topk_sets(out, lens) == topk_sets(ref, lens)
+
+
+def harness_result(script, timeout: int = 600) -> dict:
+    """The ``RESULT {json}`` line of a harness script run in a fresh interpreter without ``TRITON_INTERPRET``
+    (so its kernels are Triton's ``JITFunction``s, as on a GPU)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=timeout)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, f"{script.name} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(line[len("RESULT "):])

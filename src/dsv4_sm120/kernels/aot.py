@@ -61,9 +61,9 @@ def _logits_spec(rows_per_program: int = 1, inline_store: bool = True) -> Kernel
 
 KERNEL_SPECS = (
     _store_spec(0), _store_spec(1), _store_spec(2),
-    KernelSpec("index_query", index_query._query_kernel,
-               {"q_ptr": "*bf16", "out_ptr": "*bf16", "freqs_ptr": "*fp32", "pos_ptr": "*i64", "n_rows": "i32",
-                "n_heads": "i32"},
+    KernelSpec("index_query", index_query._query_kernel,  # q and head weights as upstream's bf16 linears give them
+               {"q_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "w_out_ptr": "*fp32", "freqs_ptr": "*fp32",
+                "pos_ptr": "*i64", "n_rows": "i32", "n_heads": "i32", "weight_scale": "fp32"},
                {"BLOCK_N": index_query.BLOCK_N, "D": HEAD_DIM, "ROPE": ROPE_DIM}),
     _logits_spec(),
     _logits_spec(inline_store=False),  # decode below INLINE_STORE_MIN_ROWS rows
@@ -77,12 +77,15 @@ KERNEL_SPECS = (
 )
 
 
-def _jit_specialization(signature: dict) -> dict:
+def _jit_specialization(spec: KernelSpec) -> dict:
     """The divisibility Triton's JIT finds at launch: torch's tensors are 16-byte aligned and the strides the
-    kernels get are multiples of 16. Without it the build differs from the one that runs: bf16 loads that
+    kernels get are multiples of 16, except the arguments a kernel leaves unspecialized (``do_not_specialize``,
+    ``do_not_specialize_on_alignment``). Without it the build differs from the one that runs: bf16 loads that
     might be unaligned are not vectorized, so the logits kernels' key pages are not pipelined (Triton 3.8)."""
-    return {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(signature.items())
-            if ty.startswith("*") or name.startswith("stride")}
+    params = {p.name: p for p in spec.fn.params}
+    return {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(spec.signature.items())
+            if (ty.startswith("*") or name.startswith("stride"))
+            and not params[name].do_not_specialize and not params[name].do_not_specialize_on_alignment}
 
 
 def compile_for(spec: KernelSpec, target: GPUTarget):
@@ -92,5 +95,5 @@ def compile_for(spec: KernelSpec, target: GPUTarget):
     for name in spec.constexprs:
         signature[name] = "constexpr"
     src = ASTSource(fn=spec.fn, signature=signature, constexprs=dict(spec.constexprs),
-                    attrs=_jit_specialization(spec.signature))
+                    attrs=_jit_specialization(spec))
     return triton.compile(src, target=target, options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})

@@ -24,14 +24,21 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_sm120.kernels._common import hadamard_128, hadamard_matrix, rope_tail_interleaved, rope_tail_ref, to_bf16_rne
+from dsv4_sm120.kernels._common import (cdiv, hadamard_128, hadamard_matrix, rope_tail_interleaved, rope_tail_ref,
+                                         to_bf16_rne)
+from dsv4_sm120.kernels.launch import launch
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, ROPE_DIM, check_pages
 
 _MODES = {"rows": 0, "extend": 1, "decode": 2}
 BLOCK_N = 16
+_FREQS: dict = {}  # (address, shape, device) of a complex64 RoPE table -> its fp32 view (see as_freqs_real)
+_FREQS_MAX = 64
 
 
-@triton.jit
+# n_rows is the step's token count: unspecialized, it costs one comparison (the builds for sm_90 and sm_120
+# differ by one setp) instead of a compile per new value class (1, a multiple of 16, other). The plan, positions
+# and slots are read one value a row, so their alignment (a slice of the batch's metadata) changes no build.
+@triton.jit(do_not_specialize=["n_rows"], do_not_specialize_on_alignment=["plan_ptr", "pos_ptr", "loc_ptr"])
 def _store_kernel(
     kv_ptr, stride_kv, plan_ptr, pos_ptr, loc_ptr, w_ptr, freqs_ptr, pages_ptr,
     n_rows, eps, ratio,
@@ -83,7 +90,22 @@ def _store_kernel(
 
 
 def as_freqs_real(freqs: torch.Tensor) -> torch.Tensor:
-    """Upstream keeps ``freqs_cis`` complex [max_pos, 32]; kernels read fp32 [max_pos, 64] (cos, sin) pairs."""
+    """Upstream keeps ``freqs_cis`` complex [max_pos, 32]; kernels read fp32 [max_pos, 64] (cos, sin) pairs.
+
+    Every indexer call passes the same table, so the view of a contiguous complex64 table is kept (it shares
+    the table's memory, so it can never be stale, and holding it keeps that address from being reused)."""
+    if freqs.dtype == torch.complex64 and freqs.is_contiguous():
+        key = (freqs.data_ptr(), freqs.shape, freqs.device)
+        real = _FREQS.get(key)
+        if real is None:
+            if len(_FREQS) >= _FREQS_MAX:
+                _FREQS.clear()
+            real = _FREQS[key] = _real(freqs)
+        return real
+    return _real(freqs)
+
+
+def _real(freqs: torch.Tensor) -> torch.Tensor:
     if freqs.is_complex():
         freqs = torch.view_as_real(freqs).flatten(-2)
     if freqs.dim() != 2 or freqs.shape[-1] != ROPE_DIM:
@@ -124,16 +146,15 @@ def store_index_k_bf16(
     n = kv.shape[0]
     if n == 0:
         return
-    freqs_real = as_freqs_real(freqs)
-    weight = norm_weight.to(kv.dtype).contiguous()  # upstream feeds the weight in the input dtype
-    plan_i32 = plan.view(torch.int32).reshape(n, 4) if plan is not None else out_loc
+    # upstream feeds the weight in the input dtype; the cast is skipped (a launch per call) where it is a no-op
+    weight = norm_weight if norm_weight.dtype == kv.dtype and norm_weight.is_contiguous() else \
+        norm_weight.to(kv.dtype).contiguous()
+    plan_i32 = plan.view(torch.int32) if plan is not None else out_loc  # [N, 4] words
     pos = positions if positions is not None else out_loc
-    _store_kernel[(triton.cdiv(n, BLOCK_N),)](
-        kv, kv.stride(0), plan_i32, pos, out_loc, weight, freqs_real, pages,
-        n, float(norm_eps), int(compress_ratio),
-        MODE=_MODES[mode], BLOCK_N=BLOCK_N, D=HEAD_DIM, ROPE=ROPE_DIM, PAGE=PAGE_SLOTS,
-        num_warps=4,
-    )
+    launch(_store_kernel, (cdiv(n, BLOCK_N),),
+           (kv, kv.stride(0), plan_i32, pos, out_loc, weight, as_freqs_real(freqs), pages,
+            n, float(norm_eps), int(compress_ratio)),
+           dict(MODE=_MODES[mode], BLOCK_N=BLOCK_N, D=HEAD_DIM, ROPE=ROPE_DIM, PAGE=PAGE_SLOTS), num_warps=4, num_stages=3)
 
 
 def rows_from_plan(plan: torch.Tensor, out_loc: torch.Tensor, mode: str, compress_ratio: int):

@@ -4,7 +4,7 @@ Upstream's fused query kernel ends in a per-(token, head) fp8 quantization and
 folds that scale into the head weights. With bf16 keys there is nothing to
 quantize: the rotated query stays bf16 and the head weights are only scaled by
 ``weight_scale`` (softmax_scale * n_heads^-0.5), returned as fp32 [T, H, 1]
-like upstream's ``weights_out``.
+like upstream's ``weights_out``; the same launch scales them.
 """
 
 from __future__ import annotations
@@ -13,18 +13,26 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_sm120.kernels._common import hadamard_128, hadamard_matrix, rope_tail_interleaved, rope_tail_ref, to_bf16_rne
+from dsv4_sm120.kernels._common import (cdiv, hadamard_128, hadamard_matrix, rope_tail_interleaved, rope_tail_ref,
+                                         to_bf16_rne)
 from dsv4_sm120.kernels.index_k_store import as_freqs_real
+from dsv4_sm120.kernels.launch import launch
 from dsv4_sm120.kernels.layout import HEAD_DIM, ROPE_DIM
 
 BLOCK_N = 32
 
 
-@triton.jit
-def _query_kernel(q_ptr, out_ptr, freqs_ptr, pos_ptr, n_rows, n_heads,
+# The positions are read one value a row, so their alignment changes no build (sm_90, sm_120): a slice of the
+# batch's positions compiles nothing new. n_rows (tokens x heads) is always a multiple of 16 (heads are).
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr"])
+def _query_kernel(q_ptr, w_ptr, out_ptr, w_out_ptr, freqs_ptr, pos_ptr, n_rows, n_heads, weight_scale,
                   BLOCK_N: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (token, head) pairs
     ok = rows < n_rows
+    # the head weight of each pair, scaled in fp32 as torch's `weights.float() * scale` rounds it: here rather
+    # than in two more launches per call
+    w = tl.load(w_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+    tl.store(w_out_ptr + rows, w * weight_scale, mask=ok)
     pos = tl.load(pos_ptr + rows // n_heads, mask=ok, other=0).to(tl.int64)
     cols = tl.arange(0, D)
     base = rows.to(tl.int64)[:, None] * D
@@ -52,16 +60,23 @@ def _check(q, weights, positions):
 def index_query_bf16(q, weights, weight_scale: float, freqs, positions):
     """q [T, H, 128] (any float) -> (rotated q bf16 [T, H, 128], weights fp32 [T, H, 1])."""
     _check(q, weights, positions)
-    q = q.contiguous()
+    tokens, heads = q.shape[0], q.shape[1]
+    if not q.is_contiguous():
+        q = q.contiguous()
+    if weights.dim() != 2:  # [T, H, 1] (_check has matched the first two dims to q's)
+        weights = weights.reshape(tokens, heads)
+    if not weights.is_contiguous():
+        weights = weights.contiguous()
+    if not positions.is_contiguous():
+        positions = positions.contiguous()
     out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-    n = q.shape[0] * q.shape[1]
+    w_out = torch.empty((tokens, heads, 1), dtype=torch.float32, device=q.device)
+    n = tokens * heads
     if n:
-        _query_kernel[(triton.cdiv(n, BLOCK_N),)](
-            q, out, as_freqs_real(freqs), positions.contiguous(), n, q.shape[1],
-            BLOCK_N=BLOCK_N, D=HEAD_DIM, ROPE=ROPE_DIM, num_warps=4,
-        )
-    w = (weights.reshape(q.shape[0], q.shape[1]).float() * float(weight_scale)).unsqueeze(-1)
-    return out, w
+        launch(_query_kernel, (cdiv(n, BLOCK_N),),
+               (q, weights, out, w_out, as_freqs_real(freqs), positions, n, heads, float(weight_scale)),
+               dict(BLOCK_N=BLOCK_N, D=HEAD_DIM, ROPE=ROPE_DIM), num_warps=4, num_stages=3)
+    return out, w_out
 
 
 def index_query_bf16_ref(q, weights, weight_scale: float, freqs, positions):

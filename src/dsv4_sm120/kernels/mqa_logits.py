@@ -44,7 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_sm120.kernels._common import interpreting
+from dsv4_sm120.kernels._common import cdiv, interpreting
+from dsv4_sm120.kernels.launch import launch
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, check_pages
 
 # Launch defaults, from the H200 sweeps in bench/results/kernels/indexer_h200_2026-12-01*.json (tune_*: decode
@@ -78,6 +79,10 @@ _RESERVED_SMEM = 1024  # per program, by the driver
 _H200 = dict(major=9, multi_processor_count=132, shared_memory_per_multiprocessor=233472,
              max_threads_per_multi_processor=2048)  # the stand-in off a GPU (interpreter, CPU tests)
 _DEVICE_PROPS: dict = {}
+# decode_splits' answers: (rows, width in split units, device index, stages, warps, heads) -> splits. Eager decode
+# widths grow with the context, so the table is emptied at a bound instead of growing without one.
+_SPLITS: dict = {}
+_SPLITS_MAX = 1 << 16
 
 
 def decode_program_smem(num_stages: int, *, major: int, heads: int = 64) -> int:
@@ -86,10 +91,17 @@ def decode_program_smem(num_stages: int, *, major: int, heads: int = 64) -> int:
     return (num_stages // 2) * PAGE_SLOTS * HEAD_DIM * 2 + queries + _SCRATCH_SMEM
 
 
-def _device_props(device: torch.device) -> dict:
+def _device_index(device: torch.device) -> int | None:
+    """The CUDA device whose properties set the decode waves; None for the H200 stand-in."""
     if device.type != "cuda" or interpreting():
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _device_props(device: torch.device) -> dict:
+    idx = _device_index(device)
+    if idx is None:
         return _H200
-    idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _DEVICE_PROPS:
         p = torch.cuda.get_device_properties(idx)
         _DEVICE_PROPS[idx] = {k: getattr(p, k) for k in _H200}
@@ -115,15 +127,28 @@ def decode_splits(rows: int, max_seq_len: int, *, device: torch.device, num_stag
     splits, 512 programs in 1.3 waves, by 11% on the H200); each extra wave must gain 10% of fill (rows much
     shorter than the width leave most programs idle, and a second wave then only adds latency). Never more
     splits than the width has tiles.
+
+    The search loops over up to 4 waves of programs (1,056 candidates for one row on the H200: 2.2 ms of host
+    time, issue 24), so its answer is kept in ``_SPLITS`` per device and everything else it depends on.
     """
-    props = _device_props(device)
-    slots = resident_programs(props, num_stages, num_warps, heads) * props["multi_processor_count"]
-    max_splits = max(1, triton.cdiv(max_seq_len, PAGE_SLOTS * tile_pages * min_tiles))
+    max_splits = max(1, cdiv(max_seq_len, PAGE_SLOTS * tile_pages * min_tiles))
+    key = (rows, max_splits, _device_index(device), num_stages, num_warps, heads)
+    splits = _SPLITS.get(key)
+    if splits is None:
+        if len(_SPLITS) >= _SPLITS_MAX:
+            _SPLITS.clear()
+        props = _device_props(device)
+        splits = _SPLITS[key] = _search_splits(
+            rows, max_splits, resident_programs(props, num_stages, num_warps, heads) * props["multi_processor_count"])
+    return splits
+
+
+def _search_splits(rows: int, max_splits: int, slots: int) -> int:
     upper = min(max_splits, max(1, (4 * slots) // rows))  # at most about 4 waves
     best, best_score = 1, -1.0
     for sp in range(1, upper + 1):
         progs = rows * sp
-        waves = triton.cdiv(progs, slots)
+        waves = cdiv(progs, slots)
         score = progs / (waves * slots) - 0.1 * (waves - 1)  # filled fraction of the waves; extra waves cost
         if score > best_score + 1e-9:
             best, best_score = sp, score
@@ -230,7 +255,15 @@ def _score_row_qloop(q_row, w, kv_ptr, pt_row, out_row, seq, t0, t1, step, strid
         _store_logits(out_row + n, s, live, INLINE_STORE)
 
 
-@triton.jit
+# Request-dependent arguments are not specialized: Triton would compile a kernel for each of their values that
+# is 1, divisible by 16 or neither, so a new batch size or width would stall a request on a compile. Unspecialized
+# they leave the decode builds' PTX (sm_90, sm_120) unchanged; in prefill only the output row stride matters, to
+# how the head sums reach the store through shared memory (loop: sm_90 499 -> 496 instructions, sm_120 1253 ->
+# 1232; the same products, key-page copies and global stores). The page ids and lengths are read one value at a
+# time, so their alignment (a row slice of the metadata) changes no build either. Model-constant strides stay
+# specialized.
+@triton.jit(do_not_specialize=["stride_pt_row", "stride_out_row", "n_rows", "max_seq_len", "splits", "pt_cols"],
+            do_not_specialize_on_alignment=["seq_ptr", "pt_ptr"])
 def _logits_kernel(
     q_ptr, w_ptr, kv_ptr, seq_ptr, pt_ptr, out_ptr,
     stride_q_row, stride_q_head, stride_w_row, stride_pt_row, stride_out_row,
@@ -341,14 +374,18 @@ def _normalize(q, weights, seq_lens, page_table):
     rows, heads = q.shape[0], q.shape[1]
     if heads & (heads - 1) or heads < 16:
         raise ValueError(f"the number of heads must be a power of two >= 16; got {heads}")
-    weights = weights.reshape(rows, heads)
+    # each torch call costs about a microsecond even when it returns its input: called only when needed
+    if weights.shape != (rows, heads):
+        weights = weights.reshape(rows, heads)
     if weights.stride(-1) != 1:
         weights = weights.contiguous()
-    seq_lens = seq_lens.reshape(-1)
+    if seq_lens.dim() != 1:
+        seq_lens = seq_lens.reshape(-1)
     if seq_lens.shape[0] != rows or page_table.dim() != 2 or page_table.shape[0] != rows:
         raise ValueError(f"seq_lens [rows] and page_table [rows, pages] must match q's {rows} rows; got "
                          f"{tuple(seq_lens.shape)} and {tuple(page_table.shape)}")
-    seq_lens = seq_lens.to(torch.int32).contiguous()
+    if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
+        seq_lens = seq_lens.to(torch.int32).contiguous()
     if page_table.dtype != torch.int32 or page_table.stride(-1) != 1:
         page_table = page_table.to(torch.int32).contiguous()
     return q, weights, seq_lens, page_table
@@ -405,24 +442,24 @@ def bf16_paged_mqa_logits(
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
     num_stages = cfg["num_stages"] if num_stages is None else num_stages
     if r > 1:
-        grid = (triton.cdiv(rows, r), 1)
+        grid = (cdiv(rows, r), 1)
         splits = 1
     else:
         if splits is None:
             splits = decode_splits(rows, max_seq_len, device=q.device, num_stages=num_stages,
                                    min_tiles=min_tiles, tile_pages=tile_pages, num_warps=num_warps, heads=q.shape[1])
         grid = (rows, int(splits))
-    _logits_kernel[grid](
-        q, weights, pages, seq_lens, page_table, out,
-        q.stride(0), q.stride(1), weights.stride(0), page_table.stride(0), out.stride(0),
-        rows, max_seq_len, int(splits), int(min_tiles), page_table.shape[1],
-        H=q.shape[1], D=HEAD_DIM, PAGE=PAGE_SLOTS, R=r, TP=int(tile_pages), EARLY_Q=bool(early_q),
-        PAGE_HINT=bool(page_hint), STRIDED=bool(strided),
-        QLOOP_TILES=int(qloop_tiles) if tile_pages == 1 else 0, QLOOP_STAGES=int(qloop_stages), FP32_DOT=interpreting(),
-        INLINE_STORE=(r == 1 and rows >= INLINE_STORE_MIN_ROWS and not interpreting()) if inline_store is None
-        else bool(inline_store),
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    interp = interpreting()
+    launch(_logits_kernel, grid,
+           (q, weights, pages, seq_lens, page_table, out,
+            q.stride(0), q.stride(1), weights.stride(0), page_table.stride(0), out.stride(0),
+            rows, max_seq_len, int(splits), int(min_tiles), page_table.shape[1]),
+           dict(H=q.shape[1], D=HEAD_DIM, PAGE=PAGE_SLOTS, R=r, TP=int(tile_pages), EARLY_Q=bool(early_q),
+                PAGE_HINT=bool(page_hint), STRIDED=bool(strided),
+                QLOOP_TILES=int(qloop_tiles) if tile_pages == 1 else 0, QLOOP_STAGES=int(qloop_stages), FP32_DOT=interp,
+                INLINE_STORE=(r == 1 and rows >= INLINE_STORE_MIN_ROWS and not interp) if inline_store is None
+                else bool(inline_store)),
+           num_warps=num_warps, num_stages=num_stages)
     return out
 
 

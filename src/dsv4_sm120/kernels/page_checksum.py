@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4_sm120.kernels.launch import launch
+
 BLOCK = 1024  # int32 words (4 KiB) per loop step
 NUM_WARPS = 4
 MAX_ROW_BYTES = 1 << 23
@@ -71,8 +73,8 @@ def _as_rows(rows: torch.Tensor) -> torch.Tensor:
 def _launch(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     words = rows.view(torch.int32)
     if rows.shape[0]:
-        _checksum_kernel[(rows.shape[0],)](words, out, words.shape[1], words.stride(0), BLOCK=BLOCK,
-                                           num_warps=NUM_WARPS)
+        launch(_checksum_kernel, (rows.shape[0],), (words, out, words.shape[1], words.stride(0)), dict(BLOCK=BLOCK),
+               num_warps=NUM_WARPS, num_stages=3)
     return out
 
 
