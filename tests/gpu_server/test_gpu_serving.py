@@ -62,3 +62,10 @@ def test_f_each_package_server_logs_what_it_built_once(served):
         assert len(lines[name]) == 1 and "with bf16 index keys: 2 of 2 C4 indexers replaced" in lines[name][0]
     assert len(lines["dsv4fp8_graph"]) == 1 and "with fp8 index keys: 0 of 2" in lines["dsv4fp8_graph"][0]
     assert lines["sglang_graph"] == lines["sglang_eager"] == []
+
+
+def test_e_first_request_of_each_shape_within_2x_of_its_steady_state(served):
+    ratios = served["results"]["e_first_over_steady"]
+    for name in ("dsv4_graph", "dsv4_eager"):
+        slow = {shape: r for shape, r in ratios[name].items() if r > 2.0}
+        assert not slow, (name, slow)

@@ -77,6 +77,21 @@ def _publish(ckpt: Path, **extra):
     return ModelConfig.from_server_args(args)
 
 
+def _record_warmups() -> list:
+    """The kernel warmups the model's construction asks for (off CUDA they compile nothing anyway)."""
+    from dsv4_sm120.kernels import warmup
+
+    calls: list = []
+    real = warmup.compile_for_serving
+
+    def recorded(device, **kwargs):
+        calls.append({"device": str(device), **kwargs})
+        return real(device, **kwargs)
+
+    warmup.compile_for_serving = recorded
+    return calls
+
+
 class _Lines(logging.Handler):
     """Keeps what reaches the root logger's handlers, as the server's log would show it."""
 
@@ -103,6 +118,7 @@ def _build(ckpt: Path, index_k_dtype: str, **server_extra) -> dict:
     os.environ["DSV4_SM120_INDEX_K_DTYPE"] = index_k_dtype
     model_config = _publish(ckpt, **server_extra)
     _Lines.lines.clear()
+    warmups = _record_warmups()
     try:
         model = DeepseekV4ForCausalLMSM120(model_config.hf_config, None)
     except Exception as exc:  # the refusal scenarios report the error they got
@@ -116,6 +132,7 @@ def _build(ckpt: Path, index_k_dtype: str, **server_extra) -> dict:
         "index_k_dtype": model.index_k_dtype,
         "c4_layers": [i for i, r in enumerate(model_config.hf_config.compress_ratios) if r == 4],
         "built_lines": [ln for ln in _Lines.lines if ln.startswith("dsv4-sm120: built")],
+        "warmups": warmups,
     }
     if indexers:  # the dtypes upstream's compressor hands the index-K store in production
         comp = indexers[0].compressor

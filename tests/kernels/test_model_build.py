@@ -46,6 +46,11 @@ def test_the_build_says_once_at_the_default_log_level_what_it_built(built):
         "0 of 2 C4 indexers replaced by BF16C4Indexer, 2 upstream C4Indexer left"]
 
 
+def test_bf16_build_readies_every_kernel_variant_before_serving(built):
+    assert built["bf16"]["warmups"] == [{"device": "cpu", "heads": 64, "checksum": False}]
+    assert built["fp8"]["warmups"] == []
+
+
 def test_fp8_build_is_upstreams_indexer(built):
     res = built["fp8"]
     assert res["indexer_types"] == ["C4Indexer"] and res["bf16_indexers"] == 0 and res["index_k_dtype"] == "fp8"
