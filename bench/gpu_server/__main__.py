@@ -46,7 +46,8 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--force", action="store_true", help="with --finish: rebuild STAGE/root even if it is current")
 
     rh = sub.add_parser("rehearse", help="check the unpacked bundle's import chain on a CPU host")
-    rh.add_argument("--stage", type=Path, required=True, help="a stage that `unpack --finish` set up")
+    rh.add_argument("--stage", type=Path, required=True, help="a stage holding the bundle's chunks (see --bundle)")
+    rh.add_argument("--bundle", type=Path, help="add every part of this pack --out folder to the stage first")
     rh.add_argument("--image-packages", type=Path, required=True,
                     help="a folder standing in for the GPU host image's site-packages (made with --from-venv)")
     rh.add_argument("--from-venv", type=Path, help="fill --image-packages from this venv's copies of the "
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return bundle.finish(args.stage, args.cache_root, args.host_site, force=args.force)
     from bench.gpu_server import rehearse
 
-    return rehearse.main(args.stage, args.image_packages, args.from_venv, args.python)
+    return rehearse.main(args.stage, args.image_packages, args.from_venv, args.python, args.bundle)
 
 
 if __name__ == "__main__":

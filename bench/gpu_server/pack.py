@@ -78,8 +78,8 @@ def scan_site(site: Path) -> dict[str, Dist]:
     return dists
 
 
-def resolve(root: str, available: dict[str, Dist], python: str, skip: set[str]) -> tuple[list[str], dict[str, str]]:
-    """Names reached from ``root`` for CPython ``python`` ("3.12") on Linux x86-64, not following ``skip``.
+def resolve(roots: list[str], available: dict[str, Dist], python: str, skip: set[str]) -> tuple[list[str], dict[str, str]]:
+    """Names reached from ``roots`` for CPython ``python`` ("3.12") on Linux x86-64, not following ``skip``.
 
     Returns (names reached, {name: requirement} of those not in ``available``).
     """
@@ -87,7 +87,7 @@ def resolve(root: str, available: dict[str, Dist], python: str, skip: set[str]) 
     reached: dict[str, None] = {}
     missing: dict[str, str] = {}
     done: set[tuple[str, str]] = set()
-    todo = [Requirement(root)]
+    todo = [Requirement(root) for root in roots]
     while todo:
         req = todo.pop()
         name = normalize(req.name)
@@ -160,11 +160,12 @@ def select(venv: Path, archs: tuple[int, ...], cache: Path, triton: bool, tilela
     if not tilelang:
         dropped.update(policy.skip_tilelang())
     skip = set(image) | set(dropped)
-    reached, missing = resolve(policy.ROOT_REQUIREMENT, available, python, skip)
+    roots = [policy.ROOT_REQUIREMENT, *policy.ALSO]
+    reached, missing = resolve(roots, available, python, skip)
     if missing:
         print(f"pack: {venv} lacks {', '.join(sorted(missing))}; fetching their wheels", flush=True)
         available.update(fetch_wheels(sorted(missing.values()), cache, python))
-        reached, missing = resolve(policy.ROOT_REQUIREMENT, available, python, skip)
+        reached, missing = resolve(roots, available, python, skip)
         if missing:
             raise SystemExit(f"pack: no wheel found for {', '.join(sorted(missing))}")
     carried, trimmed = {}, {}
@@ -194,14 +195,22 @@ def select(venv: Path, archs: tuple[int, ...], cache: Path, triton: bool, tilela
 
 
 def build_project_wheel(out: Path) -> Path:
-    """The project's wheel, built offline from a copy of what a source distribution holds (not the checkout)."""
+    """The project's wheel, built offline from a copy of what a source distribution holds (not the checkout).
+
+    Dated by its newest source file, not by the build (SOURCE_DATE_EPOCH, and the wheel's own time):
+    the same source packs to the same bytes, so an unchanged project keeps the bundle id and the chunks a
+    GPU host has staged.
+    """
     src = out / "source"
     shutil.copytree(REPO / "src", src / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     for name in ("pyproject.toml", "README.md"):
-        shutil.copyfile(REPO / name, src / name)
+        shutil.copy2(REPO / name, src / name)
+    newest = max(int(p.stat().st_mtime) for p in src.rglob("*") if p.is_file())
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
-                    "-w", str(out), str(src)], check=True)
-    return next(out.glob("dsv4_sm120-*.whl"))
+                    "-w", str(out), str(src)], check=True, env={**os.environ, "SOURCE_DATE_EPOCH": str(newest)})
+    wheel = next(out.glob("dsv4_sm120-*.whl"))
+    os.utime(wheel, (newest, newest))
+    return wheel
 
 
 @dataclass

@@ -10,7 +10,8 @@ them for CPython 3.12 on x86-64 Linux, and takes out two kinds:
 - ``DROPPED``: the DSV4 server never imports them on its path (each import site is guarded, lazy,
   or behind a flag the DSV4 runs do not set); carrying them would cost parts and buy nothing.
 
-Neither list's requirements are followed: what a dropped package alone needs is dropped with it.
+Neither list's requirements are followed: what a dropped package alone needs is dropped with it,
+except what the server imports itself (``ALSO``).
 ``trims`` takes files out of carried distributions (upstream's test trees, kernels built for other
 GPUs or for another Python). The rehearsal (``python -m bench.gpu_server rehearse``) imports the
 server's chain with only the bundle and the image's packages visible, so a wrong entry here shows up
@@ -20,6 +21,12 @@ as a missing module before any GPU host's time is spent.
 from __future__ import annotations
 
 ROOT_REQUIREMENT = "sglang==0.5.23"
+# Imported unconditionally by the server but required only through a distribution dropped below:
+# carried in their own right (the venv's versions).
+ALSO = {
+    "dill": "sglang.srt.sampling.custom_logit_processor imports it; sglang requires it only through datasets",
+    "jsonschema": "sglang.srt.entrypoints.openai.serving_chat imports it; sglang requires it only through outlines",
+}
 
 # Where pip resolves the bundle: the GPU host's interpreter (PEP 508 marker variables).
 TARGET_ENV = {
@@ -76,7 +83,6 @@ DROPPED = {
     "nvidia-mathdx": "cuBLASDx headers for JIT kernels off the DSV4 path (GPU_SERVING.md's servers built all 18 "
                      "DSV4 JIT modules without it); 123 MB",
     "torchcodec": "video inputs only; sglang's import is guarded",
-    "soundfile": "audio inputs only; transformers' import is guarded",
     "mistral-common": "Mistral tokenizers; gguf's import is guarded",
     "modelscope": "downloads from ModelScope; the GPU host has no network",
     "kernels": "downloads kernels from the Hugging Face hub; the GPU host has no network",
@@ -85,7 +91,8 @@ DROPPED = {
     "timm": "vision encoders of multimodal models only",
     "torch-memory-saver": "--enable-memory-saver only; sglang's import is guarded",
     "jedi": "IPython's completion, never reached by sglang's IPython.display import",
-    "openai-harmony": "gpt-oss's message format; imported only on the gpt-oss paths",
+    "openai-harmony": "gpt-oss's message format: /v1/responses needs it, and sglang turns that endpoint off with a "
+                      "warning when it cannot load (as it does anyway without network, for the harmony vocabulary)",
     "tml-renderers": "the Inkling output parser only",
     "llguidance": "--grammar-backend llguidance only (the default is xgrammar)",
     "outlines": "--grammar-backend outlines only (the default is xgrammar)",

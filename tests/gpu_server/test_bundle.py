@@ -43,6 +43,8 @@ def venv(tmp_path_factory) -> Path:
     _dist(site, "bigbin", "1.0", {"bigbin/__init__.py": b"", "bigbin/_core.so": rng.randbytes(3 << 20)})
     _dist(site, "small", "2.0", {"small/__init__.py": b"X = 1\n"}, requires=['nvidia-nccl-cu13; extra == "extra1"'])
     _dist(site, "nvidia-nccl-cu13", "2.30.7", {"nvidia/nccl/lib/libnccl.so.2": rng.randbytes(200_000)})
+    for name in ("dill", "jsonschema"):  # the server imports these itself (policy.ALSO)
+        _dist(site, name, "1.0", {f"{name}/__init__.py": b""})
     return root
 
 
@@ -75,7 +77,7 @@ def test_parts_stay_under_the_limit_and_the_manifest_names_everything(packed):
     assert manifest["python"] == "cp312" and manifest["archs"] == [90]
     assert manifest["project"]["wheel"].startswith("dsv4_sm120-") and "project" in manifest["archives"]
     assert set(manifest["models"]) == {"tiny", "flash12"}
-    assert set(manifest["bundled"]) == {"sglang", "bigbin", "small", "nvidia-nccl-cu13"}
+    assert set(manifest["bundled"]) == {"sglang", "bigbin", "small", "nvidia-nccl-cu13", "dill", "jsonschema"}
     assert manifest["left_to_image"]["numpy"]["reason"] and manifest["dropped"]["flashinfer-python"]["reason"]
     assert manifest["trimmed"]["sglang"][0]["files"] == 1
     big = [c for c in manifest["chunks"] if c["archive"] == "site-packages"]
