@@ -1,7 +1,19 @@
-"""``python -m bench.gpu_server {pack,unpack,rehearse,run}``.
+"""``python -m bench.gpu_server {pack,unpack,rehearse,run}``: the pin's packages for a GPU host without network.
+
+On a host with network, from a venv of the pin built for the GPU host's Python (3.12)::
+
+    python -m bench.gpu_server pack --venv V --out B            # B/part01, B/part02, ... (55 MiB each)
+    python -m bench.gpu_server rehearse --bundle B --stage S --image-packages I --from-venv V --python python3.12
+                                                                # the import chain, on this CPU host
+
+On the GPU host, one upload per part, then once::
+
+    python -m bench.gpu_server unpack --part B/partNN --stage /tmp/dsv4-bundle
+    python -m bench.gpu_server unpack --finish --stage /tmp/dsv4-bundle
+    . /tmp/dsv4-bundle/root/env.sh
 
 Each subcommand imports its module only when chosen: ``unpack`` runs on the GPU host's bare Python
-before anything is installed, so nothing here may import more than the standard library.
+before anything is installed, so nothing it reaches may import more than the standard library.
 """
 
 from __future__ import annotations
@@ -20,7 +32,8 @@ def _archs(text: str) -> tuple[int, ...]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_server", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_server", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
     pk = sub.add_parser("pack", help="make the parts for a GPU host from a venv of the pin (on a networked host)")

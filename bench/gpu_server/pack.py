@@ -45,6 +45,7 @@ except ImportError:  # pip's vendored copy: pack needs pip anyway to fetch missi
 REPO = Path(__file__).resolve().parents[2]
 MANIFEST = "manifest.json"
 FORMAT = 1
+_RESERVE_STEP = 64 << 10
 # Bumped when what pack does to a file changes, so cached archives from before are not reused.
 _ARCHIVE_RECIPE = 1
 _PIP_PLATFORMS = ("manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
@@ -128,9 +129,11 @@ def fetch_wheels(requirements: list[str], cache: Path, python: str) -> dict[str,
                 continue
             site = cache / "unpacked" / wheel.stem
             if not site.exists():
+                partial = site.parent / (site.name + ".partial")
+                shutil.rmtree(partial, ignore_errors=True)
                 with zipfile.ZipFile(wheel) as zf:
-                    zf.extractall(site.with_suffix(".tmp"))
-                site.with_suffix(".tmp").rename(site)
+                    zf.extractall(partial)
+                partial.rename(site)
             found.update(scan_site(site))
     return found
 
@@ -359,17 +362,20 @@ def pack(venv: Path, out: Path, part_mb: float, archs: tuple[int, ...], cache: P
                                       "sha256": _sha256(dest), **json.loads(record.read_text())}
         manifest = _manifest(selection, python_tag, archs, wheel, contents)
         capacity_limit = int(part_mb * 2**20)
-        reserve = 0
-        while True:  # the manifest lists the chunks and sits in every part: find the split that leaves it room
+        # The manifest lists the chunks and sits in every part, so each part leaves it room: whole 64 KiB
+        # steps, so that a repack whose manifest only says more keeps the chunk boundaries (and the
+        # chunks a GPU host has staged).
+        reserve = _RESERVE_STEP
+        while True:
+            if reserve >= capacity_limit:
+                raise SystemExit(f"pack: --part-mb {part_mb} leaves no room beside the manifest")
             parts = layout(archives, capacity_limit - reserve)
             manifest["chunks"] = [dict(c, part=f"part{i:02d}") for i, chunks in enumerate(parts, 1) for c in chunks]
             manifest["parts"] = [f"part{i:02d}" for i in range(1, len(parts) + 1)]
             needed = len(json.dumps(manifest, indent=1)) + 128 * len(manifest["chunks"]) + 4096  # + sha256s, id
             if needed <= reserve:
                 break
-            reserve = needed
-            if reserve >= capacity_limit:
-                raise SystemExit(f"pack: --part-mb {part_mb} leaves no room beside the manifest")
+            reserve = -(-needed // _RESERVE_STEP) * _RESERVE_STEP
         _write_parts(out, archives, manifest)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -38,11 +38,15 @@ def venv(tmp_path_factory) -> Path:
     rng = __import__("random").Random(0)
     _dist(site, "sglang", "0.5.23", {"sglang/__init__.py": b"__version__ = '0.5.23'\n",
                                      "sglang/test/test_utils.py": b"# trimmed\n"},
-          requires=["bigbin>=1", "small[extra1]", "numpy", "flashinfer-python==0.7.2",
+          requires=["bigbin>=1", "small[extra1]", "numpy", "flashinfer-python==0.7.2", "triton", "tilelang",
                     'old-python-only; python_version < "3.12"', 'test-only; extra == "test"'])
     _dist(site, "bigbin", "1.0", {"bigbin/__init__.py": b"", "bigbin/_core.so": rng.randbytes(3 << 20)})
     _dist(site, "small", "2.0", {"small/__init__.py": b"X = 1\n"}, requires=['nvidia-nccl-cu13; extra == "extra1"'])
     _dist(site, "nvidia-nccl-cu13", "2.30.7", {"nvidia/nccl/lib/libnccl.so.2": rng.randbytes(200_000)})
+    _dist(site, "triton", "3.8.0", {f"triton/{rel}": b"x" for rel in (
+        "__init__.py", "backends/nvidia/bin/ptxas", "backends/nvidia/bin/ptxas-blackwell", "_C/libproton.so")})
+    _dist(site, "tilelang", "0.1.12", {"tilelang/__init__.py": b""}, requires=["z3-solver"])
+    _dist(site, "z3-solver", "4.15.4.0", {"z3/__init__.py": b""})
     for name in ("dill", "jsonschema"):  # the server imports these itself (policy.ALSO)
         _dist(site, name, "1.0", {f"{name}/__init__.py": b""})
     return root
@@ -77,7 +81,8 @@ def test_parts_stay_under_the_limit_and_the_manifest_names_everything(packed):
     assert manifest["python"] == "cp312" and manifest["archs"] == [90]
     assert manifest["project"]["wheel"].startswith("dsv4_sm120-") and "project" in manifest["archives"]
     assert set(manifest["models"]) == {"tiny", "flash12"}
-    assert set(manifest["bundled"]) == {"sglang", "bigbin", "small", "nvidia-nccl-cu13", "dill", "jsonschema"}
+    assert set(manifest["bundled"]) == {"sglang", "bigbin", "small", "nvidia-nccl-cu13", "dill", "jsonschema",
+                                        "triton", "tilelang", "z3-solver"}
     assert manifest["left_to_image"]["numpy"]["reason"] and manifest["dropped"]["flashinfer-python"]["reason"]
     assert manifest["trimmed"]["sglang"][0]["files"] == 1
     big = [c for c in manifest["chunks"] if c["archive"] == "site-packages"]
@@ -169,3 +174,14 @@ def test_a_newer_bundle_keeps_the_chunks_it_shares(packed, venv, tmp_path):
     out = subprocess.run([sys.executable, "-m", "bench.gpu_server", "unpack", "--part", str(newer), "--stage", str(stage)],
                          cwd=REPO, capture_output=True, text=True).stdout
     assert f"shares {len(old['chunks']) - 1} of its chunks" in out and "parts missing: -" in out
+
+
+def test_arch_and_flags_choose_what_is_carried(venv, tmp_path):
+    hopper, _ = pack.select(venv, (90,), tmp_path, triton=True, tilelang=True)
+    carried = [f for f in hopper.carried["triton"].files if f.startswith("triton/")]
+    assert carried == ["triton/__init__.py", "triton/backends/nvidia/bin/ptxas"]  # no profiler, no Blackwell ptxas
+    both, _ = pack.select(venv, (90, 120), tmp_path, triton=True, tilelang=True)
+    assert "triton/backends/nvidia/bin/ptxas-blackwell" in both.carried["triton"].files  # Blackwell's ptxas
+    lean, _ = pack.select(venv, (90,), tmp_path, triton=False, tilelang=False)
+    assert "triton" in lean.image and {"tilelang", "z3-solver"} <= set(lean.dropped)
+    assert not {"triton", "tilelang", "z3-solver"} & set(lean.carried)
