@@ -63,19 +63,25 @@ CACHES = {
 }
 
 
-def _normalize(name: str) -> str:
+def normalize(name: str) -> str:
+    """A distribution name as pip compares it (PEP 503)."""
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _load(path: Path) -> dict | None:
+def read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path, offset: int = 0, length: int | None = None) -> str:
+    """sha256 of ``length`` bytes of ``path`` from ``offset`` (the rest of the file when None)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(8 << 20):
+        f.seek(offset)
+        left = path.stat().st_size - offset if length is None else length
+        while left:
+            block = f.read(min(left, 8 << 20))
             h.update(block)
+            left -= len(block)
     return h.hexdigest()
 
 
@@ -99,7 +105,7 @@ def add_part(part: Path, stage: Path) -> int:
     manifest = json.loads((part / MANIFEST).read_text())
     chunks = stage / "chunks"
     chunks.mkdir(parents=True, exist_ok=True)
-    held = _load(stage / MANIFEST)
+    held = read_json(stage / MANIFEST)
     if held and held["bundle"] != manifest["bundle"]:
         wanted = {(c["file"], c["sha256"]) for c in manifest["chunks"]}
         shared = 0
@@ -118,7 +124,7 @@ def add_part(part: Path, stage: Path) -> int:
             continue
         dest = chunks / c["file"]
         shutil.copyfile(src, dest.with_suffix(".partial"))
-        if _sha256(dest.with_suffix(".partial")) != c["sha256"]:
+        if sha256(dest.with_suffix(".partial")) != c["sha256"]:
             dest.with_suffix(".partial").unlink()
             damaged.append(c["file"])
             continue
@@ -137,12 +143,12 @@ def add_part(part: Path, stage: Path) -> int:
 
 def finish(stage: Path, cache_root: Path | None = None, host_site: Path | None = None, force: bool = False) -> int:
     """Verify and extract the stage's bundle into ``stage/root`` and set it up (see the module doc)."""
-    manifest = _load(stage / MANIFEST)
+    manifest = read_json(stage / MANIFEST)
     if manifest is None:
         print(f"unpack: {stage} holds no bundle yet; add parts with --part first", file=sys.stderr)
         return 2
     root = stage / "root"
-    done = _load(root / "bundle.json")
+    done = read_json(root / "bundle.json")
     if done and done["bundle"] == manifest["bundle"] and not force:
         print(f"bundle {manifest['bundle']} is already set up in {root}; source {root / 'env.sh'}")
         return 0
@@ -153,7 +159,7 @@ def finish(stage: Path, cache_root: Path | None = None, host_site: Path | None =
         return 1
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
         shas = dict(zip([c["file"] for c in manifest["chunks"]],
-                        pool.map(_sha256, [chunks / c["file"] for c in manifest["chunks"]])))
+                        pool.map(sha256, [chunks / c["file"] for c in manifest["chunks"]])))
     bad = [c for c in manifest["chunks"] if shas[c["file"]] != c["sha256"]]
     if bad:
         for c in bad:
@@ -312,7 +318,7 @@ def installed(site: Path) -> dict[str, str]:
     found = {}
     for info in site.glob("*.dist-info"):
         name, _, version = info.name.removesuffix(".dist-info").partition("-")
-        found[_normalize(name)] = version
+        found[normalize(name)] = version
     return found
 
 

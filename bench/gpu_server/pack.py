@@ -23,7 +23,6 @@ import hashlib
 import json
 import lzma
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -34,26 +33,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.gpu_server import fatbin, models, policy
+from bench.gpu_server.bundle import MANIFEST, normalize, sha256
 
 try:
-    from packaging.markers import Marker
     from packaging.requirements import Requirement
 except ImportError:  # pip's vendored copy: pack needs pip anyway to fetch missing wheels
-    from pip._vendor.packaging.markers import Marker
     from pip._vendor.packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[2]
-MANIFEST = "manifest.json"
 FORMAT = 1
 _RESERVE_STEP = 64 << 10
 # Bumped when what pack does to a file changes, so cached archives from before are not reused.
 _ARCHIVE_RECIPE = 1
 _PIP_PLATFORMS = ("manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
                   "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
-
-
-def normalize(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 @dataclass
@@ -319,18 +312,6 @@ def layout(archives: dict[str, Path], capacity: int) -> list[list[dict]]:
     return parts
 
 
-def _sha256(path: Path, offset: int = 0, length: int | None = None) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(offset)
-        left = path.stat().st_size - offset if length is None else length
-        while left:
-            block = f.read(min(left, 8 << 20))
-            h.update(block)
-            left -= len(block)
-    return h.hexdigest()
-
-
 def _git_commit() -> dict:
     def git(*args):
         return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True).stdout.strip()
@@ -359,7 +340,7 @@ def pack(venv: Path, out: Path, part_mb: float, archs: tuple[int, ...], cache: P
             archives[archive.name] = dest
             contents[archive.name] = {"holds": archive.holds, "files": len(archive.members),
                                       "raw_bytes": archive.raw_bytes, "bytes": dest.stat().st_size,
-                                      "sha256": _sha256(dest), **json.loads(record.read_text())}
+                                      "sha256": sha256(dest), **json.loads(record.read_text())}
         manifest = _manifest(selection, python_tag, archs, wheel, contents)
         capacity_limit = int(part_mb * 2**20)
         # The manifest lists the chunks and sits in every part, so each part leaves it room: whole 64 KiB
@@ -392,7 +373,7 @@ def _manifest(selection: Selection, python_tag: str, archs, wheel: Path, content
         "python": python_tag,
         "platform": "linux x86_64",
         "archs": list(archs),
-        "project": {**_git_commit(), "wheel": wheel.name, "wheel_sha256": _sha256(wheel)},
+        "project": {**_git_commit(), "wheel": wheel.name, "wheel_sha256": sha256(wheel)},
         "models": {name: hashlib.sha256(json.dumps(models.config(name), sort_keys=True).encode()).hexdigest()
                    for name in models.MODELS},
         "archives": contents,
@@ -407,7 +388,7 @@ def _manifest(selection: Selection, python_tag: str, archs, wheel: Path, content
 def _write_parts(out: Path, archives: dict[str, Path], manifest: dict) -> None:
     """Write each part directory: its chunks and the manifest; the bundle id hashes every chunk."""
     for chunk in manifest["chunks"]:
-        chunk["sha256"] = _sha256(archives[chunk["archive"]], chunk["offset"], chunk["bytes"])
+        chunk["sha256"] = sha256(archives[chunk["archive"]], chunk["offset"], chunk["bytes"])
     manifest["bundle"] = hashlib.sha256("".join(c["sha256"] for c in manifest["chunks"]).encode()).hexdigest()[:12]
     if out.exists():
         for stale in out.glob("part[0-9][0-9]"):

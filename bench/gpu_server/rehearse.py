@@ -97,7 +97,7 @@ def main(stage: Path, image: Path, from_venv: Path | None, python: str, parts: P
         names = make_image(from_venv, image, manifest)
         print(f"rehearse: image stand-in {image}: {', '.join(names)}")
     root = stage / "root"
-    info = bundle._load(root / "bundle.json")
+    info = bundle.read_json(root / "bundle.json")
     if not info or info["bundle"] != manifest["bundle"] or info["host_site"] != str(image):
         if bundle.finish(stage, host_site=image, force=True):
             return 1
