@@ -1,0 +1,186 @@
+"""pack -> parts -> unpack on a tiny fake venv: the parts stay under the upload limit, any arrival order
+works, and the tree the GPU host gets holds the venv's files byte for byte plus its set-up."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.gpu_server import bundle, models, pack
+
+REPO = Path(__file__).resolve().parents[2]
+PART_MB = 1.0
+
+
+def _dist(site: Path, name: str, version: str, files: dict[str, bytes], requires=()) -> None:
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    meta = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}", *(f"Requires-Dist: {r}" for r in requires)]
+    (info / "METADATA").write_text("\n".join(meta) + "\n")
+    for rel, data in files.items():
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_bytes(data)
+    record = [f"{rel},sha256=x,{len(data)}" for rel, data in files.items()]
+    record += [f"{info.name}/METADATA,,", f"{info.name}/RECORD,,", f"../../../bin/{name},,"]
+    (info / "RECORD").write_text("\n".join(record) + "\n")
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory) -> Path:
+    """A venv shaped like the pin's: a root 'sglang', a multi-MB binary, NCCL's library folder."""
+    root = tmp_path_factory.mktemp("venv")
+    site = root / "lib" / "python3.12" / "site-packages"
+    rng = __import__("random").Random(0)
+    _dist(site, "sglang", "0.5.23", {"sglang/__init__.py": b"__version__ = '0.5.23'\n",
+                                     "sglang/test/test_utils.py": b"# trimmed\n"},
+          requires=["bigbin>=1", "small[extra1]", "numpy", "flashinfer-python==0.7.2", "triton", "tilelang",
+                    'old-python-only; python_version < "3.12"', 'test-only; extra == "test"'])
+    _dist(site, "bigbin", "1.0", {"bigbin/__init__.py": b"", "bigbin/_core.so": rng.randbytes(3 << 20)})
+    _dist(site, "small", "2.0", {"small/__init__.py": b"X = 1\n"}, requires=['nvidia-nccl-cu13; extra == "extra1"'])
+    _dist(site, "nvidia-nccl-cu13", "2.30.7", {"nvidia/nccl/lib/libnccl.so.2": rng.randbytes(200_000)})
+    _dist(site, "triton", "3.8.0", {f"triton/{rel}": b"x" for rel in (
+        "__init__.py", "backends/nvidia/bin/ptxas", "backends/nvidia/bin/ptxas-blackwell", "_C/libproton.so")})
+    _dist(site, "tilelang", "0.1.12", {"tilelang/__init__.py": b""}, requires=["z3-solver"])
+    _dist(site, "z3-solver", "4.15.4.0", {"z3/__init__.py": b""})
+    for name in ("dill", "jsonschema"):  # the server imports these itself (policy.ALSO)
+        _dist(site, name, "1.0", {f"{name}/__init__.py": b""})
+    return root
+
+
+@pytest.fixture(scope="module")
+def packed(venv, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bundle")
+    cache = tmp_path_factory.mktemp("cache")
+    subprocess.run([sys.executable, "-m", "bench.gpu_server", "pack", "--venv", str(venv), "--out", str(out),
+                    "--part-mb", str(PART_MB), "--cache", str(cache), "--xz-level", "6"],
+                   cwd=REPO, check=True, capture_output=True, text=True)
+    return out
+
+
+def _manifest(out: Path) -> dict:
+    return json.loads((out / "manifest.json").read_text())
+
+
+def _unpack(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bench.gpu_server", "unpack", *map(str, args)],
+                          cwd=REPO, capture_output=True, text=True)
+
+
+def test_parts_stay_under_the_limit_and_the_manifest_names_everything(packed):
+    manifest = _manifest(packed)
+    parts = sorted(packed.glob("part*"))
+    assert [p.name for p in parts] == manifest["parts"] and len(parts) >= 4  # 3 MiB of random bytes at 1 MiB a part
+    for part in parts:
+        assert sum(f.stat().st_size for f in part.iterdir()) <= PART_MB * 2**20
+        assert json.loads((part / "manifest.json").read_text()) == manifest
+    assert manifest["python"] == "cp312" and manifest["archs"] == [90]
+    assert manifest["project"]["wheel"].startswith("dsv4_sm120-") and "project" in manifest["archives"]
+    assert set(manifest["models"]) == {"tiny", "flash12"}
+    assert set(manifest["bundled"]) == {"sglang", "bigbin", "small", "nvidia-nccl-cu13", "dill", "jsonschema",
+                                        "triton", "tilelang", "z3-solver"}
+    assert manifest["left_to_image"]["numpy"]["reason"] and manifest["dropped"]["flashinfer-python"]["reason"]
+    assert manifest["trimmed"]["sglang"][0]["files"] == 1
+    big = [c for c in manifest["chunks"] if c["archive"] == "site-packages"]
+    assert len({c["part"] for c in big}) >= 3  # the big binary is split across parts
+
+
+def test_parts_arrive_one_at_a_time_in_any_order_and_finish_sets_up_the_tree(packed, venv, tmp_path):
+    manifest = _manifest(packed)
+    stage = tmp_path / "stage"
+    parts = sorted(packed.glob("part*"), reverse=True)
+    first = _unpack("--part", parts[0], "--stage", stage)
+    assert first.returncode == 0 and f"parts missing: {' '.join(p.name for p in sorted(parts[1:]))}" in first.stdout
+    assert _unpack("--finish", "--stage", stage).returncode == 1  # not all there yet
+    for part in parts[1:]:
+        assert _unpack("--part", part, "--stage", stage).returncode == 0
+    again = _unpack("--part", parts[0], "--stage", stage)
+    assert "0 chunks copied" in again.stdout and "parts missing: -" in again.stdout
+
+    host = tmp_path / "host-site"
+    (host / "nvidia" / "cu13" / "lib").mkdir(parents=True)
+    (host / "nvidia" / "nccl" / "lib").mkdir(parents=True)  # the image's own NCCL: the bundle's wins
+    done = _unpack("--finish", "--stage", stage, "--host-site", host, "--cache-root", tmp_path / "cache")
+    assert done.returncode == 0, done.stderr
+    root = stage / "root"
+    site = root / "site"
+    venv_site = venv / "lib" / "python3.12" / "site-packages"
+    for rel in ["bigbin/_core.so", "small/__init__.py", "sglang/__init__.py", "nvidia/nccl/lib/libnccl.so.2",
+                "bigbin-1.0.dist-info/METADATA"]:
+        assert (site / rel).read_bytes() == (venv_site / rel).read_bytes(), rel
+    assert not (site / "sglang" / "test").exists()
+    assert (site / "nvidia" / "cu13").resolve() == (host / "nvidia" / "cu13").resolve()
+    assert not (site / "nvidia" / "nccl").is_symlink()
+    assert (site / "dsv4_sm120" / "plugin.py").exists() and (root / "bin" / "dsv4-sm120").exists()
+    for name in models.MODELS:
+        assert json.loads((root / "models" / name / "config.json").read_text()) == models.config(name)
+
+    env = (root / "env.sh").read_text()
+    assert f"export PYTHONPATH={site}" in env and "TRITON_CACHE_DIR=" in env and "TVM_FFI_CACHE_DIR=" in env
+    shell = subprocess.run(["bash", "-c", f". {root / 'env.sh'} && echo $PYTHONPATH && echo $TILELANG_CACHE_DIR"],
+                           capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, check=True).stdout.split()
+    assert shell == [str(site), str(tmp_path / "cache" / "tilelang")]
+    info = json.loads((root / "bundle.json").read_text())
+    assert info["bundle"] == manifest["bundle"] and info["versions"]["sglang"] == "0.5.23"
+    assert info["versions"]["dsv4-sm120"]
+    assert info["host_libraries_linked"] == {"cu13": str((host / "nvidia" / "cu13").resolve())}
+    assert "already set up" in _unpack("--finish", "--stage", stage).stdout
+
+
+def test_finish_without_the_xz_and_tar_commands(packed, venv, tmp_path, monkeypatch):
+    stage = tmp_path / "stage"
+    for part in sorted(packed.glob("part*")):
+        assert bundle.add_part(part, stage) == 0
+    monkeypatch.setattr(bundle.shutil, "which", lambda name: None)
+    assert bundle.finish(stage, host_site=tmp_path) == 0
+    so = "bigbin/_core.so"
+    assert (stage / "root" / "site" / so).read_bytes() == (venv / "lib" / "python3.12" / "site-packages" / so).read_bytes()
+
+
+def test_a_damaged_chunk_is_named_and_refused(packed, tmp_path):
+    part = tmp_path / "part01"
+    part.mkdir()
+    manifest = _manifest(packed)
+    for f in (packed / "part01").iterdir():
+        part.joinpath(f.name).write_bytes(f.read_bytes())
+    victim = next(c["file"] for c in manifest["chunks"] if c["part"] == "part01")
+    data = bytearray((part / victim).read_bytes())
+    data[100] ^= 0xFF
+    (part / victim).write_bytes(bytes(data))
+    result = _unpack("--part", part, "--stage", tmp_path / "stage")
+    assert result.returncode == 1 and f"DAMAGED in {part}" in result.stdout and victim in result.stdout
+
+
+def test_a_newer_bundle_keeps_the_chunks_it_shares(packed, tmp_path):
+    """After a repack that changes only the project, the stage needs only the part with the changed chunk."""
+    stage = tmp_path / "stage"
+    for part in sorted(packed.glob("part*")):
+        bundle.add_part(part, stage)
+    old = _manifest(packed)
+    new = json.loads(json.dumps(old))
+    wheel = b"another wheel"
+    last = new["chunks"][-1]
+    assert last["archive"] == "project"
+    last.update(sha256=hashlib.sha256(wheel).hexdigest(), bytes=len(wheel))
+    new["bundle"] = "newer"
+    newer = tmp_path / "newer" / last["part"]
+    newer.mkdir(parents=True)
+    (newer / "manifest.json").write_text(json.dumps(new))
+    (newer / last["file"]).write_bytes(wheel)
+    out = _unpack("--part", newer, "--stage", stage).stdout
+    assert f"shares {len(old['chunks']) - 1} of its chunks" in out and "parts missing: -" in out
+
+
+def test_arch_and_flags_choose_what_is_carried(venv, tmp_path):
+    hopper, _ = pack.select(venv, (90,), tmp_path, triton=True, tilelang=True)
+    carried = [f for f in hopper.carried["triton"].files if f.startswith("triton/")]
+    assert carried == ["triton/__init__.py", "triton/backends/nvidia/bin/ptxas"]  # no profiler, no Blackwell ptxas
+    both, _ = pack.select(venv, (90, 120), tmp_path, triton=True, tilelang=True)
+    assert "triton/backends/nvidia/bin/ptxas-blackwell" in both.carried["triton"].files  # Blackwell's ptxas
+    lean, _ = pack.select(venv, (90,), tmp_path, triton=False, tilelang=False)
+    assert "triton" in lean.image and {"tilelang", "z3-solver"} <= set(lean.dropped)
+    assert not {"triton", "tilelang", "z3-solver"} & set(lean.carried)
