@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="the JSON to write")
     ap.add_argument("--logs", type=Path, default=None, help="server logs (default: beside --out)")
     ap.add_argument("--commit", default=os.environ.get("COMMIT", ""), help="the project's commit being run")
-    ap.add_argument("--startup-timeout", type=float, default=480.0)
+    ap.add_argument("--startup-timeout", type=float, default=float(os.environ.get("DSV4_GPU_STARTUP_TIMEOUT", 480)),
+                    help="seconds for every server to answer /health_generate (env DSV4_GPU_STARTUP_TIMEOUT)")
     ap.add_argument("--only", default="", help="comma-separated server names of the set (default: all)")
     args = ap.parse_args(argv)
 

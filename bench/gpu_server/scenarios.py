@@ -130,6 +130,7 @@ def compare(grid: dict, a: str, b: str) -> dict:
 
 DECODE_POINTS = [(b, ctx) for ctx in (4096, 32768) for b in (1, 8, 64)]
 PREFILL_POINTS = [4096, 16384]
+PROFILE_POINTS = [(1, 32768), (8, 32768), (64, 32768), (64, 4096)]
 DECODE_SHORT, DECODE_STEPS = 8, 64
 TAIL = 32  # each decode prompt: the shared context prefix plus a tail of its own
 
@@ -180,7 +181,7 @@ def run_cost(servers: dict, logs: dict | None = None, work_dir=None) -> dict:
                                 for n, v in visits.items()}
     shares = {}
     if work_dir is not None:  # after the timed visits: a profile window slows the step it records
-        for batch, ctx in DECODE_POINTS:
+        for batch, ctx in PROFILE_POINTS:
             for name in names:
                 try:
                     shares[f"{name} decode {batch}x{ctx}"] = profile_decode(
