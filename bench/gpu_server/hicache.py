@@ -150,9 +150,13 @@ def agreement(a: dict, b: dict) -> dict:
     return {"equal": same, "compared": total}
 
 
-def run(servers: dict, logs: dict, work_dir=None) -> dict:
-    storms = {name: storm(url) for name, url in servers.items()}
-    out = {"storms": {n: {k: v for k, v in s.items() if k != "waves"} for n, s in storms.items()}}
+def run(servers: dict, logs: dict, work_dir=None, out: dict | None = None) -> dict:
+    """Every server's storm in turn (``out`` filled as each ends), then the comparisons with HiCache off."""
+    out = out if out is not None else {}
+    summaries, storms = out.setdefault("storms", {}), {}
+    for name, url in servers.items():
+        storms[name] = storm(url)
+        summaries[name] = {k: v for k, v in storms[name].items() if k != "waves"}
     out["outputs_vs_off"] = {n: agreement(s, storms["off_fp8" if n.endswith("_fp8") else "off"])
                              for n, s in storms.items() if n.startswith(("hc_", "control_")) and
                              ("off_fp8" if n.endswith("_fp8") else "off") in storms}

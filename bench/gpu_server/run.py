@@ -14,6 +14,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -56,6 +57,10 @@ def host_facts() -> dict:
             "versions": json.loads(versions) if versions.startswith("{") else {"error": "could not read versions"}}
 
 
+def _stop_on_sigterm(signum, frame):
+    raise SystemExit(f"stopped by signal {signum}")
+
+
 def _wait_all(started: list[Started], timeout: float) -> None:
     """Until every server answers /health_generate; the first to die or time out raises with its log tail."""
     def one(s: Started) -> None:
@@ -87,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated server names of the set (default: all)")
     args = ap.parse_args(argv)
 
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)  # a bounded run still stops its servers and writes its JSON
     make_specs, run_set = SETS[args.set]
     specs = [s for s in make_specs() if not args.only or s.name in args.only.split(",")]
     log_dir = args.logs or args.out.parent / f"logs_{args.set}"
@@ -107,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
                              for s in started}
         urls = {s.spec.name: s.url for s in started}
         logs = {s.spec.name: (lambda p=s.proc.log: p.read_text(errors="replace")) for s in started}
-        record["results"] = run_set(urls, logs, log_dir / "work")
+        record["results"] = {}
+        run_set(urls, logs, log_dir / "work", record["results"])
         record["dead_after_traffic"] = [s.spec.name for s in started if not s.proc.alive()]
-    except Exception as exc:  # the JSON says what failed; the logs are kept either way
+    except (Exception, SystemExit) as exc:  # the JSON says what failed; the logs are kept either way
         record["error"] = f"{type(exc).__name__}: {exc}"
         record["log_tails"] = {s.spec.name: log_tail(s.proc.log, 80) for s in started}
     finally:

@@ -85,11 +85,13 @@ def built_lines(log_text: str) -> list[str]:
     return [ln.strip() for ln in log_text.splitlines() if MODEL_BUILT_MARK in ln]
 
 
-def run_serve(servers: dict, logs: dict, work_dir=None) -> dict:
-    """Scenarios a, b, e, f over the started servers (name -> url); ``logs``: name -> callable giving the log."""
+def run_serve(servers: dict, logs: dict, work_dir=None, out: dict | None = None) -> dict:
+    """Scenarios a, b, e, f over the started servers (name -> url); ``logs``: name -> callable giving the log.
+    ``out`` is filled as the figures come in (a run stopped early keeps what it measured)."""
     cfg = models.config("tiny")
     vocab, topk, layers = cfg["vocab_size"], cfg["index_topk"], models.c4_layers("tiny")
-    result: dict = {"grid": {}, "topk_captured": {}}
+    result = out if out is not None else {}
+    result["grid"] = {}
     captured = {}
     for name, url in servers.items():
         if name.endswith("_eager"):  # capture first, so both eager servers have the same history
@@ -128,7 +130,7 @@ def compare(grid: dict, a: str, b: str) -> dict:
 
 # --- scenario c -------------------------------------------------------------------------------------------
 
-DECODE_POINTS = [(b, ctx) for ctx in (4096, 32768) for b in (1, 8, 64)]
+DECODE_POINTS = [(b, ctx) for ctx in (32768, 4096) for b in (8, 64, 1)]  # the long context first
 PREFILL_POINTS = [4096, 16384]
 PROFILE_POINTS = [(1, 32768), (8, 32768), (64, 32768), (64, 4096)]
 DECODE_SHORT, DECODE_STEPS = 8, 64
@@ -136,7 +138,10 @@ TAIL = 32  # each decode prompt: the shared context prefix plus a tail of its ow
 
 
 def cost_specs() -> list[ServerSpec]:
-    common = dict(mem_fraction=0.4, max_total_tokens=393216, context_length=40960, chunked_prefill=16384)
+    # Half the pool for the sliding-window layers (upstream's default is a tenth): with 64 requests running, a
+    # tenth was nearly full, evicted the cached context's window and sent part of each batch back to prefill.
+    common = dict(mem_fraction=0.4, max_total_tokens=393216, context_length=40960, chunked_prefill=16384,
+                  extra_args=["--swa-full-tokens-ratio", "0.5"])
     return [
         ServerSpec("dsv4_bf16", "flash12", "dsv4", **common),
         ServerSpec("sglang_tilelang", "flash12", "sglang", upstream_indexer="tilelang", **common),
@@ -148,18 +153,27 @@ def _abba(names: list[str]) -> list[str]:
     return names + names[::-1]
 
 
-def run_cost(servers: dict, logs: dict | None = None, work_dir=None) -> dict:
+def run_cost(servers: dict, logs: dict | None = None, work_dir=None, out: dict | None = None) -> dict:
     """Decode step (ms) at batch 1/8/64 x context 4k/32k and prefill (ms) of 4k/16k, each server visited in
     ABBA order per point (the mean of its two visits); step = (T(short + STEPS) - T(short)) / STEPS on a
     batch whose context prefix is cached, so prefill cancels out."""
     cfg = models.config("flash12")
     vocab = cfg["vocab_size"]
     names = list(servers)
-    decode, prefill = {}, {}
+    result = out if out is not None else {}
+    decode, prefill, shares = result.setdefault("decode", {}), result.setdefault("prefill", {}), {}
     prefixes = {ctx: traffic.prompt(70000 + ctx, ctx - TAIL, vocab) for ctx in sorted({c for _, c in DECODE_POINTS})}
     for ctx, prefix in prefixes.items():  # every server caches the same prefix before any timing
         for name in names:
             traffic.generate(servers[name], [prefix + traffic.prompt(1, TAIL, vocab)], 1)
+    for i, length in enumerate(PREFILL_POINTS):
+        visits = {n: [] for n in names}
+        for rep in range(2):
+            for v, name in enumerate(_abba(names)):  # a fresh prompt each visit: nothing cached
+                t, _ = traffic.generate(servers[name], [traffic.prompt(50000 + 100 * i + 10 * rep + v, length, vocab)], 1)
+                visits[name].append(t * 1e3)
+        prefill[str(length)] = {n: {"ms": round(statistics.median(v), 3), "visits_ms": [round(x, 3) for x in v]}
+                                for n, v in visits.items()}
     for i, (batch, ctx) in enumerate(DECODE_POINTS):
         visits: dict = {n: [] for n in names}
         for v, name in enumerate(_abba(names)):
@@ -171,15 +185,8 @@ def run_cost(servers: dict, logs: dict | None = None, work_dir=None) -> dict:
             visits[name].append((t_l - t_s) / DECODE_STEPS * 1e3)
         decode[f"{batch}x{ctx}"] = {n: {"step_ms": round(statistics.mean(v), 3), "visits_ms": [round(x, 3) for x in v]}
                                     for n, v in visits.items()}
-    for i, length in enumerate(PREFILL_POINTS):
-        visits = {n: [] for n in names}
-        for rep in range(2):
-            for v, name in enumerate(_abba(names)):  # a fresh prompt each visit: nothing cached
-                t, _ = traffic.generate(servers[name], [traffic.prompt(50000 + 100 * i + 10 * rep + v, length, vocab)], 1)
-                visits[name].append(t * 1e3)
-        prefill[str(length)] = {n: {"ms": round(statistics.median(v), 3), "visits_ms": [round(x, 3) for x in v]}
-                                for n, v in visits.items()}
-    shares = {}
+    result["ratios"] = ratios(decode, prefill)
+    result["indexer_share"] = shares
     if work_dir is not None:  # after the timed visits: a profile window slows the step it records
         for batch, ctx in PROFILE_POINTS:
             for name in names:
@@ -188,7 +195,7 @@ def run_cost(servers: dict, logs: dict | None = None, work_dir=None) -> dict:
                         servers[name], work_dir, f"{name}_{batch}x{ctx}", batch, ctx, prefixes[ctx], vocab)
                 except Exception as exc:  # a figure the run could not take is said, not fatal
                     shares[f"{name} decode {batch}x{ctx}"] = {"error": f"{type(exc).__name__}: {exc}"}
-    return {"decode": decode, "prefill": prefill, "ratios": ratios(decode, prefill), "indexer_share": shares}
+    return result
 
 
 def ratios(decode: dict, prefill: dict) -> dict:

@@ -134,7 +134,8 @@ def test_cost_visits_every_server_in_abba_order_and_reads_a_profile(monkeypatch,
     finally:
         for server, _ in started.values():
             server.shutdown()
-    decode_visits = visits[len(urls):len(urls) + 12:2]  # after each server cached the prefix; short calls only
+    start = len(urls) + 2 * 6  # after each server cached the prefix and the prefill visits (2 rounds of ABBA)
+    decode_visits = visits[start:start + 12:2]  # the short call of each decode visit
     assert decode_visits == [urls[n] for n in ("dsv4_bf16", "sglang_tilelang", "sglang_deepgemm",
                                                 "sglang_deepgemm", "sglang_tilelang", "dsv4_bf16")]
     assert len(res["decode"]["2x300"]["dsv4_bf16"]["visits_ms"]) == 2
