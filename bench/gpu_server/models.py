@@ -58,37 +58,26 @@ _COMMON = {
     "torch_dtype": "bfloat16",
 }
 
+_TINY = {
+    "hidden_size": 1024,
+    "num_attention_heads": 64,
+    "q_lora_rank": 1024,
+    "o_lora_rank": 512,
+    "o_groups": 8,
+    "num_hidden_layers": 4,
+    "compress_ratios": [0, 4, 128, 4, 0],
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 256,
+    "num_hash_layers": 1,
+    "n_hash_layers": 1,
+    "vocab_size": 1024,
+}
+
 MODELS = {
-    "tiny": {
-        "hidden_size": 1024,
-        "num_attention_heads": 64,
-        "q_lora_rank": 1024,
-        "o_lora_rank": 512,
-        "o_groups": 8,
-        "num_hidden_layers": 4,
-        "compress_ratios": [0, 4, 128, 4, 0],
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 256,
-        "num_hash_layers": 1,
-        "n_hash_layers": 1,
-        "vocab_size": 1024,
-    },
-    "hicache": {  # tiny's dimensions, six C4 layers: six index-K pages move with every 256 prefix tokens
-        "hidden_size": 1024,
-        "num_attention_heads": 64,
-        "q_lora_rank": 1024,
-        "o_lora_rank": 512,
-        "o_groups": 8,
-        "num_hidden_layers": 8,
-        "compress_ratios": [0, 4, 4, 4, 4, 4, 4, 128, 0],
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 256,
-        "num_hash_layers": 1,
-        "n_hash_layers": 1,
-        "vocab_size": 1024,
-    },
+    "tiny": _TINY,
+    # tiny's dimensions, six C4 layers: six index-K pages move with every 256 prefix tokens
+    "hicache": {**_TINY, "num_hidden_layers": 8, "compress_ratios": [0, 4, 4, 4, 4, 4, 4, 128, 0]},
     "flash12": {
         "hidden_size": 4096,
         "num_attention_heads": 64,
