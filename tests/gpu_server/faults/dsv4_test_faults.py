@@ -19,7 +19,7 @@ import logging
 import os
 
 logger = logging.getLogger("dsv4_test_faults")
-PLANT_AFTER_LOADS = 20  # let the storm warm up first
+PLANT_AFTER_LOADS = 20  # after the storm's first load-backs
 PLANT_LAYER = 1  # the host pool's local layer index of the page to corrupt
 PLANT_BYTE = 1000
 
