@@ -26,9 +26,12 @@ from the same keys (per-token e4m3 with an fp32 scale, upstream's 132-byte layou
 
 Eager host cost (issue 24 d): decode B in {1, 8, 64} x {4k, 32k, 128k} keys at the capture width as eager calls
 (wall clock of back-to-back calls, host included), with every host cache and as before issue 24, beside the
-CUDA-graph replay and the kernel alone (``eager`` in the JSON; ``eager_section`` says what each field is).
-``--eager-only`` runs only that table (under a minute on the H200) and writes
-bench/results/indexer_h200_eager_<date>.json (or $OUT_JSON):
+CUDA-graph replay and the kernel alone (``eager`` in the JSON; ``eager_section`` says what each field is), and
+before it where the host time of one request's decode step goes: each piece of the logits, query and store calls
+timed alone (``eager_host_breakdown``; ``BREAKDOWN_FIELDS`` says what each piece is), with a check that the
+direct launch writes what Triton's own dispatch writes. The last lines (VERDICT) set the host time an eager
+logits call adds against issue 24's 20 us bar. ``--eager-only`` runs only these (under a minute on the H200)
+and writes bench/results/indexer_h200_eager_<date>.json (or $OUT_JSON):
 
     PYTHONPATH=src COMMIT=$(git rev-parse HEAD) python bench/indexer_h200.py --eager-only
 
@@ -66,11 +69,11 @@ from dsv4_sm120.kernels.mqa_logits import bf16_paged_mqa_logits, decode_splits, 
 H, D, PAGE, TOPK = 64, 128, 64, 512
 CAPTURE_WIDTH = 262144  # a 1M-token context: upstream's decode logits width is the capture width
 DEV = "cuda"
-SIZES = dict(eager_b=(1, 8, 64), eager_live=(4096, 32768, 131072), eager_calls=200,
+SIZES = dict(eager_b=(1, 8, 64), eager_live=(4096, 32768, 131072), eager_calls=200, breakdown_calls=200,
              decode_b=(1, 8, 64, 256), decode_live=(4096, 32768, 131072), width=CAPTURE_WIDTH,
              verify=((8, 32768), (64, 32768)), prefill=(8192, 32768), sweep_n=8192, check_rows=3,
              store_n=16384, store_pool=2048, query_t=8192, ragged_max=70001, max_pos=65536)
-DRY_SIZES = dict(eager_b=(1, 2), eager_live=(256,), eager_calls=3, decode_b=(1, 2), decode_live=(256,), width=1024, verify=((2, 256),), prefill=(128,), sweep_n=128,
+DRY_SIZES = dict(eager_b=(1, 2), eager_live=(256,), eager_calls=3, breakdown_calls=2, decode_b=(1, 2), decode_live=(256,), width=1024, verify=((2, 256),), prefill=(128,), sweep_n=128,
                  check_rows=2, store_n=32, store_pool=4, query_t=4, ragged_max=1100, max_pos=2048)
 
 
@@ -496,14 +499,20 @@ def _kernel_us(fn, calls):
     return sum(spans) / len(spans)
 
 
+def _forget_plans():
+    mqa_logits._SPLITS.clear()
+    mqa_logits._PLANS.clear()
+
+
 def eager_section(pool, gen):
     """Decode logits as eager calls, host time included, beside CUDA-graph replays and the kernel alone (issue 24 d).
 
     Per shape (rows x live keys, width = the capture width, the same inputs every call, so keys may sit in L2:
     the decode section has the L2-cold kernel times): ``eager_us`` with every host cache (split counts kept,
     direct launch); ``eager_triton_dispatch_us`` with Triton's own dispatch instead of the direct launch;
-    ``eager_before_us`` as before issue 24, the split search run before every call (its cache emptied) and
-    Triton's dispatch (the search itself now divides without ``triton.cdiv``, so this understates the old cost);
+    ``eager_before_us`` as before issue 24, the split search run before every call (its cache and the wrapper's
+    plans emptied) and Triton's dispatch (the search itself now divides without ``triton.cdiv``, so this
+    understates the old cost);
     ``graph_us`` per launch of a captured graph; ``kernel_us`` the kernel alone (CUPTI); ``host_added_us`` =
     eager minus kernel. ``split_search_us`` is one search on the host. Dry runs time eager calls only.
     """
@@ -523,7 +532,7 @@ def eager_section(pool, gen):
             direct, kernel_launch.DIRECT = kernel_launch.DIRECT, False
             try:
                 res["eager_triton_dispatch_us"] = _eager_us(eager, calls)
-                res["eager_before_us"] = _eager_us(eager, calls, before_each=mqa_logits._SPLITS.clear)
+                res["eager_before_us"] = _eager_us(eager, calls, before_each=_forget_plans)
             finally:
                 kernel_launch.DIRECT = direct
             t0 = time.perf_counter()
@@ -543,6 +552,199 @@ def eager_section(pool, gen):
             print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()), flush=True)
             del q, w, sl, pt, scratch
     return rows_out
+
+
+def _host_us(fn, calls, rounds=5):
+    """Host time of one call: wall clock of ``calls`` back-to-back calls from a sync to the return of the last
+    (no sync after it: that many launches fit the launch queue, so no call waits for the GPU), over ``calls``;
+    the median of ``rounds``."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    _sync()
+    return sorted(times)[len(times) // 2]
+
+
+BREAKDOWN_FIELDS = {
+    "whole_call": "the wrapper as the model calls it (its outputs allocated), steady state",
+    "whole_call_out_given": "logits only: the wrapper with out= given (no allocation)",
+    "whole_call_new_layout": "logits only: a new width every call (max_seq_len grows in eager decode): a plan per call",
+    "plan_launch": "the plan's Launch alone: addresses, alignment check, device, the cached launch",
+    "torch_empty": "the outputs' torch.empty (the only torch op of a steady-state call)",
+    "tensor_keys": "launch.tensor_key of each argument tensor: the reads that key the plan",
+    "loop_overhead": "an empty lambda: the timing loop itself",
+    "check_pages": "before the plans, per call: layout.check_pages",
+    "normalize": "before the plans, per call: mqa_logits._normalize (a reshape of the [T, H, 1] weights)",
+    "decode_splits_cached": "before the plans, per call: the cached decode split count",
+    "specialization_key": "before the plans, per call: all_args + launch.specialization_key",
+    "driver_device_stream": "before, per call: driver.active.get_current_device() + get_current_stream(device)",
+    "cached_device_stream": "now: launch._device_getter()() + the _Direct's stream getter",
+    "launch_metadata": "before, per call: CompiledKernel.launch_metadata (a dict for the never-None hook chains)",
+    "triton_launcher": "before, per call: CompiledKernel.run, Triton's launcher, with launch_metadata (tensors)",
+    "c_launch": "now: Triton's C launch function alone, arguments prepared (addresses)",
+    "triton_dispatch": "kernel[grid](...): Triton's own dispatch and launch",
+    "direct_matches_triton": "the direct path's output equals Triton's dispatch's, bit for bit (GPU runs)",
+}
+
+
+def _launch_pieces(launch, tensors) -> dict:
+    """Host pieces of one Launch's call on the GPU (see BREAKDOWN_FIELDS)."""
+    from triton import knobs
+    from triton.runtime import driver
+
+    args = launch.triton_args(tensors)
+    full = kernel_launch.all_args(launch.kernel, args, launch.constexprs)
+    direct = launch.direct.get(torch.cuda.current_device())
+    if direct is None:  # no direct path on this Triton (kernels/launch.py): only Triton's dispatch to time
+        return {"triton_dispatch": lambda: launch.kernel[launch.grid](*args, **launch.constexprs, **launch.options)}
+    c = direct.compiled
+    stream = direct.stream(direct.device)
+    addresses = launch.args([t.data_ptr() for t in tensors] + launch.fixed)
+    runtime = knobs.runtime
+    return {
+        "specialization_key": lambda: kernel_launch.specialization_key(
+            launch.kernel, kernel_launch.all_args(launch.kernel, args, launch.constexprs)),
+        "driver_device_stream": lambda: driver.active.get_current_stream(driver.active.get_current_device()),
+        "cached_device_stream": lambda: direct.stream(kernel_launch._device_getter()()),
+        "launch_metadata": lambda: c.launch_metadata(launch.grid, stream, *full),
+        "triton_launcher": lambda: c.run(*launch.grid3, stream, c.function, c.packed_metadata,
+                                         c.launch_metadata(launch.grid, stream, *full), runtime.launch_enter_hook,
+                                         runtime.launch_exit_hook, *full),
+        "c_launch": (lambda: direct.bare(launch.grid3, stream, addresses)) if direct.bare else None,
+        "triton_dispatch": lambda: launch.kernel[launch.grid](*args, **launch.constexprs, **launch.options),
+    }
+
+
+def _the_plan(module, call):
+    """The one plan a call of ``module``'s wrapper builds (its plans emptied first)."""
+    module._PLANS.clear()
+    call()
+    (plan,) = module._PLANS.values()
+    return plan
+
+
+def _direct_matches_triton(call, outputs) -> bool:
+    """The wrapper's output through the direct path and through Triton's dispatch, compared bit for bit."""
+    first = [t.clone() for t in outputs(call())]
+    direct, kernel_launch.DIRECT = kernel_launch.DIRECT, False
+    try:
+        second = outputs(call())
+    finally:
+        kernel_launch.DIRECT = direct
+    return all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def host_breakdown(pool, gen):
+    """Where an eager call's host time goes (issue 24 d), one piece at a time, for the model's three per-layer
+    calls at a decode step of one request (1 x 4096 keys at the capture width): each piece timed alone with
+    ``_host_us`` (BREAKDOWN_FIELDS says what each is). Dry runs time the pieces that need no GPU."""
+    live = SIZES["eager_live"][0]
+    res = {"B": 1, "live": live, "width": SIZES["width"], "calls": SIZES["breakdown_calls"], "rounds": 5,
+           "fields": BREAKDOWN_FIELDS}
+    freqs = torch.polar(torch.ones(4096, 32, device=DEV), torch.rand(4096, 32, generator=gen, device=DEV))
+    res["mqa_logits"] = _logits_pieces(pool, gen, live)
+    res["index_query"] = _query_pieces(gen, freqs, live)
+    res["store_index_k"] = _store_pieces(gen, freqs, live)
+    print(f"\nHOST BREAKDOWN  B=1 live={live} width={res['width']}: us per call, host only "
+          f"(median of {res['rounds']} x {res['calls']} calls)", flush=True)
+    for name in ("mqa_logits", "index_query", "store_index_k"):
+        print(f"  {name:<14} " + "  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                                          for k, v in res[name].items()), flush=True)
+    return res
+
+
+def _logits_pieces(pool, gen, live) -> dict:
+    from dsv4_sm120.kernels.launch import tensor_key
+    from dsv4_sm120.kernels.layout import check_pages
+
+    width, stages = SIZES["width"], mqa_logits.DECODE_CONFIG["num_stages"]
+    q, w, sl, pt = case(pool.shape[0], 1, [live], width, gen)
+    w = w.unsqueeze(-1)  # as index_query_bf16 returns the head weights
+    out = torch.empty((1, width), dtype=torch.float32, device=DEV)
+    call = lambda: bf16_paged_mqa_logits(q, pool, w, sl, pt, width)  # noqa: E731
+    plan = _the_plan(mqa_logits, call)
+    widths = iter(range(width, 0, -1))
+    pieces = _time_pieces({
+        "whole_call": call,
+        "whole_call_out_given": lambda: bf16_paged_mqa_logits(q, pool, w, sl, pt, width, out=out),
+        "whole_call_new_layout": lambda: bf16_paged_mqa_logits(q, pool, w, sl, pt, next(widths)),
+        "plan_launch": lambda: plan.launch(q, w, pool, sl, pt, out),
+        "torch_empty": lambda: torch.empty((1, width), dtype=torch.float32, device=DEV),
+        "tensor_keys": lambda: [tensor_key(t) for t in (q, w, sl, pt, pool)],
+        "loop_overhead": lambda: None,
+        "check_pages": lambda: check_pages(pool),
+        "normalize": lambda: mqa_logits._normalize(q, w, sl, pt),
+        "decode_splits_cached": lambda: decode_splits(1, width, device=pool.device, num_stages=stages, heads=H),
+    }, plan.launch, (q, w, pool, sl, pt, out), lambda: _direct_matches_triton(call, lambda o: [o[:, :live]]))
+    mqa_logits._PLANS.clear()  # the new layouts'
+    return pieces
+
+
+def _query_pieces(gen, freqs, live) -> dict:
+    from dsv4_sm120.kernels import index_query
+    from dsv4_sm120.kernels.launch import tensor_key
+
+    q = torch.randn((1, H, D), generator=gen, device=DEV).to(torch.bfloat16)  # wq_b's bf16 output
+    w = torch.randn((1, H), generator=gen, device=DEV).to(torch.bfloat16)
+    pos = torch.tensor([live - 1], device=DEV)
+    rotated, scaled = torch.empty_like(q), torch.empty((1, H, 1), dtype=torch.float32, device=DEV)
+    call = lambda: index_query.index_query_bf16(q, w, 0.0110485, freqs, pos)  # noqa: E731
+    plan = _the_plan(index_query, call)
+    return _time_pieces({
+        "whole_call": call,
+        "plan_launch": lambda: plan.launch(q, w, rotated, scaled, freqs, pos),
+        "torch_empty": lambda: (torch.empty((1, H, D), dtype=torch.bfloat16, device=DEV),
+                                torch.empty((1, H, 1), dtype=torch.float32, device=DEV)),
+        "tensor_keys": lambda: [tensor_key(t) for t in (q, w, pos, freqs)],
+        "loop_overhead": lambda: None,
+    }, plan.launch, (q, w, rotated, scaled, freqs, pos), lambda: _direct_matches_triton(call, list))
+
+
+def _store_pieces(gen, freqs, live) -> dict:
+    from dsv4_sm120.kernels import index_k_store
+    from dsv4_sm120.kernels.launch import tensor_key
+
+    kv = torch.randn((1, D), generator=gen, device=DEV)  # fp32, the compressor's output
+    pages = torch.zeros((4, PAGE, D), dtype=torch.bfloat16, device=DEV)
+    slot, norm = torch.tensor([PAGE + 3], device=DEV), torch.ones(D, device=DEV)
+    step = torch.tensor([[live, -1, -1, -1]], dtype=torch.int32, device=DEV).view(torch.uint8)  # a DecodePlan row
+    call = lambda: index_k_store.store_index_k_bf16(  # noqa: E731
+        kv, pages, slot, norm_weight=norm, norm_eps=1e-6, freqs=freqs, mode="decode", plan=step)
+    plan = _the_plan(index_k_store, call)
+    return _time_pieces({
+        "whole_call": call,
+        "plan_launch": lambda: plan.launch(kv, step, slot, slot, norm, freqs, pages),
+        "tensor_keys": lambda: [tensor_key(t) for t in (kv, pages, slot, norm, freqs, step)],
+        "loop_overhead": lambda: None,
+    }, plan.launch, (kv, step, slot, slot, norm, freqs, pages),
+        lambda: _direct_matches_triton(lambda: (pages.zero_(), call())[0], lambda p: [p.clone()]))
+
+
+def _time_pieces(pieces: dict, launch, tensors, check) -> dict:
+    """Each piece's ``_host_us``, with the GPU-only pieces of ``launch`` on the GPU, and the direct path's check."""
+    calls, dry = SIZES["breakdown_calls"], g._DRY["on"]
+    if not dry:
+        pieces.update(_launch_pieces(launch, tensors))
+    out = {name: None if fn is None else _host_us(fn, calls) for name, fn in pieces.items()}
+    out["direct_matches_triton"] = None if dry else check()
+    return out
+
+
+HOST_BAR_US = 20.0  # issue 24 d: an eager call adds at most this much host time to its kernel
+
+
+def _print_verdict(result: dict) -> None:
+    """One line per eager shape of one request: the host time an eager logits call adds against the bar."""
+    for r in result["eager"]:
+        if r["B"] == 1 and r.get("host_added_us") is not None:
+            verdict = "within" if r["host_added_us"] <= HOST_BAR_US else "OVER"
+            print(f"VERDICT eager logits B=1 live={r['live']}: eager {r['eager_us']:.1f} us, kernel {r['kernel_us']:.1f}"
+                  f" us, host added {r['host_added_us']:.1f} us: {verdict} the {HOST_BAR_US:.0f} us bar", flush=True)
 
 
 def verify_section(peers, pool, gen):
@@ -870,7 +1072,9 @@ def main():
     if args.eager_only:
         pool = torch.randn((max(SIZES["eager_b"]) * max(SIZES["eager_live"]) // PAGE, PAGE, D), generator=gen,
                            device=DEV).to(torch.bfloat16)
-        result = {**meta, "capture_width": SIZES["width"], "eager": eager_section(pool, gen)}
+        result = {**meta, "capture_width": SIZES["width"], "eager_host_breakdown": host_breakdown(pool, gen),
+                  "eager": eager_section(pool, gen)}
+        _print_verdict(result)
         date = datetime.date.today().isoformat()
         g.write_json(Path(os.environ.get("OUT_JSON", "/tmp/indexer_eager_dry.json" if args.dry_cpu else
                                          g.REPO / "bench" / "results" / f"indexer_h200_eager_{date}.json")), result)
@@ -911,7 +1115,9 @@ def main():
     # the JSON is rewritten after each timed section, so a run cut short keeps what it finished
     result["decode"] = decode_section(paged_peers, pool, gen, ceil["hbm_read_gbps"])
     g.write_json(path, result)
+    result["eager_host_breakdown"] = host_breakdown(pool, gen)
     result["eager"] = eager_section(pool, gen)
+    _print_verdict(result)
     g.write_json(path, result)
     result["target_verify"] = verify_section(paged_peers, pool, gen)
     g.write_json(path, result)

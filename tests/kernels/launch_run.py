@@ -1,15 +1,19 @@
-"""The package's eager launch path on a CPU, through Triton's real JIT, with only the GPU driver stood in.
+"""The package's eager launch path on a CPU, through Triton's real JIT and launcher, with only the GPU stood in.
 
 Run by tests/kernels/test_launch.py in a fresh interpreter without ``TRITON_INTERPRET``; prints one
-``RESULT {json}`` line. Replaced, because there is no GPU: Triton's active driver (the current device and
-stream, loading a binary, and the launcher, which records its arguments instead of launching). Everything
-else is real: the kernels compile for sm_90 through ``JITFunction.run`` as on an H200, and
-``launch.launch`` takes its direct path from the second launch of a specialization on.
+``RESULT {json}`` line. Stood in, because there is no GPU: Triton's active driver (the current device and stream,
+loading a binary) and, below Triton's own ``CudaLauncher``, its C ``launch`` function, which records its
+arguments instead of launching (Triton 3.8: the driver module's ``launch`` and its signature packer; Triton 3.6:
+the per-kernel launcher module it would compile). Everything else is real: the kernels compile for sm_90 through
+``JITFunction.run`` as on an H200, Triton's ``CudaLauncher`` packs its arguments, and the wrappers take their
+per-layout plans and ``launch.Launch``'s direct path from the second call of a layout on.
 
-For each wrapper the model calls per C4 layer per step, three calls of one shape: the first through Triton's
-dispatch (it compiles), the second and third direct. Reported: the launcher arguments of the first two (they
-must be the same call), how often ``JITFunction.run`` and the decode split search ran, and the Python-level
-work of the third call: the lines executed in the package's and Triton's code (a count, not a time).
+For each wrapper the model calls per C4 layer per step, calls of one layout: the first through Triton's dispatch
+(it compiles), the rest direct. Reported: the C launcher's arguments of the first two (pointers named by the
+tensor they point into, so they must be the same call), how often ``JITFunction.run``, the plan builders and the
+decode split search ran, the Python lines the third call executed in the package and Triton, the torch
+operations of the fourth (TorchDispatchMode), the launch hooks' view of a fifth with a hook set, and, for the
+logits, a call whose queries are not 16-byte aligned (Triton's own launch: another specialization).
 """
 
 from __future__ import annotations
@@ -17,25 +21,33 @@ from __future__ import annotations
 import collections
 import json
 import sys
+import types
 
 import torch
+import triton.backends.nvidia.driver as nv
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
+from torch.utils._python_dispatch import TorchDispatchMode
 
 LAUNCHES: list = []
 RUNS: collections.Counter = collections.Counter()
+PLANS: collections.Counter = collections.Counter()
 
 
-class _Launcher:
-    def __init__(self, src, metadata):
-        pass
-
-    def __call__(self, *args):
-        LAUNCHES.append(args)
+def _record(*args):
+    """The C launcher: records its arguments and, as it does, calls each hook set with the launch metadata."""
+    LAUNCHES.append(args)
+    metadata = next((a for a in args if type(a).__name__ == "LazyDict"), None)
+    for hook in args:
+        if isinstance(hook, knobs.HookChain):
+            hook(metadata)
 
 
 class _Utils:
+    launch = staticmethod(_record)  # Triton 3.8's C launch; one object, as the real module's
+
     def load_binary(self, name, binary, shared, device):
         return 1, 2, 64, 0, 1024  # module, function, registers, spills, max threads
 
@@ -45,9 +57,12 @@ class _Utils:
     def unload_module(self, module):
         pass
 
+    def build_signature_metadata(self, kernel_signature):
+        return ",".join(kernel_signature).encode()
+
 
 class _Driver:
-    utils, launcher_cls = _Utils(), _Launcher
+    utils, launcher_cls = _Utils(), nv.CudaLauncher
 
     def get_current_device(self):
         return 0
@@ -59,18 +74,35 @@ class _Driver:
         return GPUTarget("cuda", 90, 32)
 
 
-def _counting(run):
-    def counted(self, *args, **kwargs):
-        RUNS[self.fn.__name__] += 1
-        return run(self, *args, **kwargs)
+def _stand_in_c_launcher() -> None:
+    """What ``CudaUtils`` (3.8) or ``CudaLauncher.__init__`` (3.6) would build by compiling C against libcuda."""
+    if hasattr(nv, "make_launcher"):  # 3.6: a launcher module compiled per kernel signature
+        nv.library_dirs = lambda: []
+        nv.compile_module_from_src = lambda **kw: types.SimpleNamespace(launch=_record)
+    else:  # 3.8: argument annotations are C objects of the driver module
+        nv.PyKernelArg = lambda nested_tuple, type: (type, nested_tuple)
+        nv.ARG_CONSTEXPR, nv.ARG_KERNEL, nv.ARG_TUPLE = "constexpr", "kernel", "tuple"
+
+
+def _counting(counter, key, fn):
+    def counted(*args, **kwargs):
+        counter[key] += 1
+        return fn(*args, **kwargs)
     return counted
 
 
-def _comparable(arg):
+def _comparable(arg, names: dict):
+    """A launcher argument as JSON: a pointer (a tensor, or the address the direct path passes) by the name of
+    the tensor it points into; no launch hook (an empty chain) and the launch metadata, which only hooks read,
+    as None (no hook is set while these calls run)."""
     if isinstance(arg, torch.Tensor):
-        return ["tensor", str(arg.dtype), list(arg.shape), list(arg.stride())]
-    if type(arg).__name__ == "LazyDict":  # launch metadata: name, function, stream
-        return ["launch_metadata", repr(sorted(arg.get().items()))]
+        return ["pointer", names[arg.data_ptr()]]
+    if type(arg) is int and arg in names:
+        return ["pointer", names[arg]]
+    if isinstance(arg, (tuple, list)):
+        return [_comparable(a, names) for a in arg]
+    if arg is None or isinstance(arg, knobs.HookChain) and not arg.calls or type(arg).__name__ == "LazyDict":
+        return None
     return repr(arg)
 
 
@@ -93,11 +125,24 @@ def _python_lines(call) -> dict:
     return dict(lines)
 
 
+class _TorchOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def main() -> None:
+    _stand_in_c_launcher()
     driver.set_active(_Driver())
-    JITFunction.run = _counting(JITFunction.run)
+    JITFunction.run = _counting(RUNS, "triton", JITFunction.run)
     from dsv4_sm120.kernels import index_k_store, index_query, launch, mqa_logits
 
+    for module, name in ((mqa_logits, "_logits_plan"), (index_query, "_query_plan"), (index_k_store, "_store_plan")):
+        setattr(module, name, _counting(PLANS, module.__name__, getattr(module, name)))
     searches = []
     search = mqa_logits._search_splits
     mqa_logits._search_splits = lambda *a: searches.append(a) or search(*a)
@@ -107,23 +152,45 @@ def main() -> None:
     q, w = torch.randn(tokens, heads, 128).to(torch.bfloat16), torch.randn(tokens, heads).to(torch.bfloat16)
     rotated, weights = torch.randn(tokens, heads, 128).to(torch.bfloat16), torch.rand(tokens, heads, 1)  # as the query returns
     seq_lens, table = torch.full((tokens,), 3000, dtype=torch.int32), torch.zeros(tokens, 4096, dtype=torch.int32)
-    plan = torch.zeros(tokens, 16, dtype=torch.uint8)
-    calls = {  # as the model calls them each step (dsv4_sm120/model/deepseek_v4.py), at the capture width
-        "index_query": lambda: index_query.index_query_bf16(q, w, 0.01, freqs, torch.arange(tokens)),
-        "mqa_logits": lambda: mqa_logits.bf16_paged_mqa_logits(rotated, pages, weights, seq_lens, table, 262144),
-        "index_k_store": lambda: index_k_store.store_index_k_bf16(
-            torch.randn(tokens, 128), pages, torch.arange(tokens), norm_weight=torch.ones(128), norm_eps=1e-6,
-            freqs=freqs, mode="decode", plan=plan),
+    plan, kv, slots = torch.zeros(tokens, 16, dtype=torch.uint8), torch.randn(tokens, 128), torch.arange(tokens)
+    positions, norm = torch.arange(tokens), torch.ones(128)
+    inputs = {  # as the model calls them each step (dsv4_sm120/model/deepseek_v4.py), at the capture width
+        "index_query": (lambda: index_query.index_query_bf16(q, w, 0.01, freqs, positions),
+                        dict(q=q, w=w, freqs=freqs, positions=positions)),
+        "mqa_logits": (lambda: mqa_logits.bf16_paged_mqa_logits(rotated, pages, weights, seq_lens, table, 262144),
+                       dict(q=rotated, pages=pages, weights=weights, seq_lens=seq_lens, table=table)),
+        "index_k_store": (lambda: index_k_store.store_index_k_bf16(
+            kv, pages, slots, norm_weight=norm, norm_eps=1e-6, freqs=freqs, mode="decode", plan=plan),
+            dict(kv=kv, pages=pages, slots=slots, norm=norm, freqs=freqs, plan=plan)),
     }
     result = {"direct": launch.DIRECT}
-    for name, call in calls.items():
+    for name, (call, tensors) in inputs.items():
         LAUNCHES.clear()
         RUNS.clear()
-        call()
-        call()
+        launcher_args = []
+        for i in range(2):
+            outs = call()
+            names = {t.data_ptr(): n for n, t in tensors.items()}
+            names.update({t.data_ptr(): f"out{k}" for k, t in enumerate(outs if isinstance(outs, tuple) else (outs,))
+                          if t is not None})
+            launcher_args.append(_comparable(LAUNCHES[i], names))
         lines = _python_lines(call)
-        result[name] = {"launcher_args": [[_comparable(a) for a in args] for args in LAUNCHES[:2]],
-                        "triton_runs": sum(RUNS.values()), "launches": len(LAUNCHES), "lines": lines}
+        with _TorchOps() as ops:
+            call()
+        seen: list = []
+        knobs.runtime.launch_enter_hook.add(hooked := lambda metadata: seen.append(sorted(metadata.get().items())))
+        try:
+            call()
+        finally:
+            knobs.runtime.launch_enter_hook.remove(hooked)
+        result[name] = {"launcher_args": launcher_args, "triton_runs": RUNS["triton"], "launches": len(LAUNCHES),
+                        "plans": PLANS[f"dsv4_sm120.kernels.{name}"], "lines": lines, "torch_ops": ops.ops,
+                        "hook_saw": repr(seen)}
+    RUNS.clear()
+    misaligned = torch.zeros(tokens * heads * 128 + 8, dtype=torch.bfloat16)[1:1 + tokens * heads * 128].view(tokens, heads, 128)
+    mqa_logits.bf16_paged_mqa_logits(misaligned, pages, weights, seq_lens, table, 262144)
+    mqa_logits.bf16_paged_mqa_logits(rotated, pages, weights, seq_lens, table, 262144)
+    result["misaligned_triton_runs"] = RUNS["triton"]  # the misaligned call only: the aligned one after is direct
     result["split_searches"] = len(searches)
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -198,10 +198,13 @@ def test_logits_prefill_rows_per_program_match_one_row(kern, rows_per_program, o
 def test_logits_prefill_path_is_the_default_from_prefill_rows(kern, monkeypatch):
     q, w, pages, sl, pt, lens = _prefill_case(_gen(13), n=13, boundary=6, odd_row=9)
     monkeypatch.setattr(kern.mqa_logits, "PREFILL_ROWS", 8)
+    monkeypatch.setattr(kern.mqa_logits, "_PLANS", {})  # plans are kept per layout; this changes what they do
     calls = []
     real = kern.mqa_logits._logits_kernel
 
     class Spy:
+        arg_names = real.arg_names
+
         def __getitem__(self, grid):
             def launch(*args, **kw):
                 calls.append((grid, kw["R"]))

@@ -1,12 +1,14 @@
-"""An eager indexer call does its host work once per shape, not once per call (issue 24 d).
+"""An eager indexer call does its host work once per argument layout, not once per call (issue 24 d).
 
 On the H200 an eager logits call of 1 x 131072 keys took 2.20 ms, against 0.018 ms in a CUDA graph: the
-decode split search ran on every call, and Triton's dispatch bound and specialized 28 arguments on every call.
-Here, without timing anything: the split search runs once per shape (the interpreter runs the real wrapper),
-and in a fresh interpreter where the kernels compile for sm_90 through Triton's real JIT with only the GPU
-driver stood in (launch_run.py), the direct launch hands the launcher exactly the arguments Triton's own launch
-did, Triton's dispatch runs only for the first call, and a steady-state call executes a bounded number of lines
-of Python in the package and in Triton.
+decode split search ran on every call, and Triton's dispatch bound and specialized 28 arguments on every call;
+with both cached, 61 us for a 3 us kernel. Here, without timing anything: each wrapper works out its checks,
+split count, grid and launch once per layout of its arguments and the split search once per split key (the
+interpreter runs the real wrappers), and in a fresh interpreter where the kernels compile for sm_90 through
+Triton's real JIT and launcher with only the GPU driver and Triton's C launch function stood in
+(launch_run.py), the direct launch hands the C launcher exactly the arguments Triton's own launch did, Triton's
+dispatch runs only for the first call, and a steady-state call makes no torch operation but its outputs'
+allocations and executes a few dozen lines of Python in the package and in Triton.
 """
 
 from __future__ import annotations
@@ -20,24 +22,48 @@ from helpers import harness_result, logits_case
 
 HARNESS = Path(__file__).with_name("launch_run.py")
 WRAPPERS = ("index_query", "mqa_logits", "index_k_store")
-# Python lines a steady-state eager call executes in the package and Triton (today 105-176); a decode split
-# search at the capture width adds about 850 for the harness's 8 rows (over 6,000 for one row).
-MAX_LINES = 300
+# Python lines a steady-state eager call executes in the package and Triton (today 30-36; 105-176 with a cached
+# specialization key per call and Triton's launcher; a decode split search at the capture width adds about 850
+# for the harness's 8 rows, a plan about 100)
+MAX_LINES = 60
+ALLOCATIONS = {"index_query": 2, "mqa_logits": 1, "index_k_store": 0}  # the outputs
 
 
-def test_decode_split_search_runs_once_per_shape(kern, monkeypatch):
+def test_logits_plan_and_split_search_once_per_layout(kern, monkeypatch):
     ml = kern.mqa_logits
     monkeypatch.setattr(ml, "_SPLITS", {})
-    searches = []
-    search = ml._search_splits
+    monkeypatch.setattr(ml, "_PLANS", {})
+    plans, searches = [], []
+    plan, search = ml._logits_plan, ml._search_splits
+    monkeypatch.setattr(ml, "_logits_plan", lambda *a: plans.append(a) or plan(*a))
     monkeypatch.setattr(ml, "_search_splits", lambda *a: searches.append(a) or search(*a))
     q, w, pages, sl, pt = logits_case([70, 9], 16, torch.Generator().manual_seed(3))
     for _ in range(3):
         ml.bf16_paged_mqa_logits(q, pages, w, sl, pt, 128)
-    assert len(searches) == 1
+    assert (len(plans), len(searches)) == (1, 1)
+    ml.bf16_paged_mqa_logits(q, pages, w, sl, pt, 120)  # another width, the same split count: no search
+    assert (len(plans), len(searches)) == (2, 1)
     ml.bf16_paged_mqa_logits(q[:1], pages, w[:1], sl[:1], pt[:1], 128)  # another row count: its own search
     ml.bf16_paged_mqa_logits(q[:1], pages, w[:1], sl[:1], pt[:1], 128)
-    assert len(searches) == 2
+    assert (len(plans), len(searches)) == (3, 2)
+
+
+def test_plans_hold_no_tensor_and_refuse_bad_layouts_every_time(kern, monkeypatch):
+    """A plan keeps no input or output alive, and a layout that fails its checks is refused again, not kept."""
+    ml = kern.mqa_logits
+    monkeypatch.setattr(ml, "_PLANS", {})
+    q, w, pages, sl, pt = logits_case([70], 16, torch.Generator().manual_seed(4))
+    ml.bf16_paged_mqa_logits(q, pages, w, sl, pt, 80)
+    (plan,) = ml._PLANS.values()
+    held = [*plan, *vars(plan.launch).values()]
+    held += [v for h in held if isinstance(h, (list, tuple, dict)) for v in (h.values() if isinstance(h, dict) else h)]
+    assert not [v for v in held if isinstance(v, torch.Tensor)]
+    for _ in range(2):
+        with pytest.raises(ValueError, match="q must be bf16"):
+            ml.bf16_paged_mqa_logits(q.float(), pages, w, sl, pt, 80)
+        with pytest.raises(ValueError, match="one device"):  # the launch passes addresses: no host tensor slips by
+            ml.bf16_paged_mqa_logits(q, pages, w, sl.to("meta"), pt, 80)
+    assert len(ml._PLANS) == 1
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +75,9 @@ def eager() -> dict:
 def test_direct_launch_is_the_call_triton_makes(eager, name):
     assert eager["direct"], "the installed Triton should take the direct path (kernels/launch.py)"
     res = eager[name]
-    assert res["launches"] == 3 and res["triton_runs"] == 1, res
+    assert res["launches"] == 5 and res["triton_runs"] == 1 and res["plans"] == 1, res
     first, second = res["launcher_args"]
-    assert first == second, "the direct launch must pass the launcher what Triton's own launch passed"
+    assert first == second, "the direct launch must pass the C launcher what Triton's own launch passed"
 
 
 @pytest.mark.parametrize("name", WRAPPERS)
@@ -60,3 +86,19 @@ def test_eager_call_python_work_is_bounded(eager, name):
     assert "triton/runtime/jit.py" not in lines, f"a steady-state call went through Triton's dispatch: {lines}"
     assert sum(lines.values()) <= MAX_LINES, f"{name}: {sum(lines.values())} Python lines a call: {lines}"
     assert eager["split_searches"] == 1
+
+
+@pytest.mark.parametrize("name", WRAPPERS)
+def test_steady_state_call_makes_no_torch_op_but_its_outputs(eager, name):
+    assert eager[name]["torch_ops"] == ["aten.empty.memory_format"] * ALLOCATIONS[name]
+
+
+@pytest.mark.parametrize("name", WRAPPERS)
+def test_launch_hooks_see_the_launch_as_tritons_would(eager, name):
+    kernel = {"index_query": "_query_kernel", "mqa_logits": "_logits_kernel", "index_k_store": "_store_kernel"}[name]
+    assert eager[name]["hook_saw"] == repr([[("function", 2), ("name", kernel), ("stream", 7)]])
+
+
+def test_misaligned_tensors_take_tritons_launch(eager):
+    """Queries not 16-byte aligned are another specialization: that call goes through Triton, not the plan's."""
+    assert eager["misaligned_triton_runs"] == 1

@@ -11,6 +11,6 @@ host whose image has no sglang (Triton 3.6) and compile ahead of time for sm_90 
 - ``page_checksum``: per-page integrity checksum for HiCache / PD integrity mode.
 - ``page_copy``: one-launch gather-copy of whole pages between device and pinned host pools.
 - ``aot``: the launch signature of every kernel, compiled ahead of time for sm_90 and sm_120 in CI.
-- ``launch``: eager launches without Triton's per-call dispatch once a specialization has run.
+- ``launch``: eager launches without Triton's per-call host work once a specialization has run.
 - ``warmup``: ``compile_for_serving``, every kernel variant a server launches, compiled before it serves.
 """

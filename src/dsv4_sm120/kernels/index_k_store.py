@@ -20,19 +20,23 @@ A negative slot is always skipped.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from dsv4_sm120.kernels._common import (cdiv, hadamard_128, hadamard_matrix, rope_tail_interleaved, rope_tail_ref,
                                          to_bf16_rne)
-from dsv4_sm120.kernels.launch import launch
+from dsv4_sm120.kernels.launch import Launch, check_one_device, tensor_key
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, ROPE_DIM, check_pages
 
 _MODES = {"rows": 0, "extend": 1, "decode": 2}
 BLOCK_N = 16
 _FREQS: dict = {}  # (address, shape, device) of a complex64 RoPE table -> its fp32 view (see as_freqs_real)
 _FREQS_MAX = 64
+_PLANS: dict = {}  # store_index_k_bf16's plans, by argument layout, eps, mode and ratio
+_PLANS_MAX = 1 << 12
 
 
 # n_rows is the step's token count: unspecialized, it costs one comparison (the builds for sm_90 and sm_120
@@ -141,20 +145,60 @@ def store_index_k_bf16(
     plan: torch.Tensor | None = None,
     compress_ratio: int = 4,
 ) -> None:
-    """RMSNorm + RoPE + Hadamard the compressed keys ``kv`` [N, 128] and store them as bf16 into ``pages``."""
-    _check_inputs(kv, pages, mode, plan, positions, out_loc)
-    n = kv.shape[0]
-    if n == 0:
+    """RMSNorm + RoPE + Hadamard the compressed keys ``kv`` [N, 128] and store them as bf16 into ``pages``.
+
+    The checks and the launch are worked out once per argument layout (:func:`_store_plan`); a call of a known
+    layout only launches.
+    """
+    key = (tensor_key(kv), tensor_key(pages), tensor_key(out_loc), tensor_key(norm_weight), tensor_key(freqs),
+           None if positions is None else tensor_key(positions), None if plan is None else tensor_key(plan),
+           norm_eps, mode, compress_ratio)
+    store = _PLANS.get(key)
+    if store is None:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        store = _PLANS[key] = _store_plan(kv, pages, out_loc, norm_weight, norm_eps, freqs, mode, positions, plan,
+                                          compress_ratio)
+    if store.launch is None:
         return
-    # upstream feeds the weight in the input dtype; the cast is skipped (a launch per call) where it is a no-op
-    weight = norm_weight if norm_weight.dtype == kv.dtype and norm_weight.is_contiguous() else \
-        norm_weight.to(kv.dtype).contiguous()
-    plan_i32 = plan.view(torch.int32) if plan is not None else out_loc  # [N, 4] words
-    pos = positions if positions is not None else out_loc
-    launch(_store_kernel, (cdiv(n, BLOCK_N),),
-           (kv, kv.stride(0), plan_i32, pos, out_loc, weight, as_freqs_real(freqs), pages,
-            n, float(norm_eps), int(compress_ratio)),
-           dict(MODE=_MODES[mode], BLOCK_N=BLOCK_N, D=HEAD_DIM, ROPE=ROPE_DIM, PAGE=PAGE_SLOTS), num_warps=4, num_stages=3)
+    if store.cast_weight:  # upstream feeds the weight in the input dtype; otherwise a cast per call
+        norm_weight = norm_weight.to(kv.dtype).contiguous()
+    if store.copy_freqs:
+        freqs = as_freqs_real(freqs)
+    rows = out_loc if positions is None else positions
+    store.launch(kv, out_loc if plan is None else plan, rows, out_loc, norm_weight, freqs, pages)
+
+
+class _Plan(NamedTuple):
+    """What a call of one argument layout does besides reading addresses (see :func:`_store_plan`)."""
+
+    cast_weight: bool  # the norm weight is cast to the keys' dtype per call
+    copy_freqs: bool  # the RoPE table is copied to fp32 pairs per call (a contiguous complex64 or fp32 one is not)
+    launch: Launch | None  # None: no rows
+
+
+def _store_plan(kv, pages, out_loc, norm_weight, norm_eps, freqs, mode, positions, plan, compress_ratio) -> _Plan:
+    """Checks and launch of store_index_k_bf16 for one layout of its arguments."""
+    _check_inputs(kv, pages, mode, plan, positions, out_loc)
+    check_one_device(kv, pages, out_loc, norm_weight, freqs, positions, plan)
+    n = kv.shape[0]
+    copy_freqs = as_freqs_real(freqs).data_ptr() != freqs.data_ptr()
+    store = _Plan(norm_weight.dtype != kv.dtype or not norm_weight.is_contiguous(), copy_freqs, None)
+    if n == 0:
+        return store
+    views = {} if copy_freqs else {"freqs_ptr": as_freqs_real}
+    if plan is not None:
+        views["plan_ptr"] = _plan_words
+    return store._replace(launch=Launch(
+        _store_kernel, (cdiv(n, BLOCK_N),),
+        dict(stride_kv=kv.stride(0), n_rows=n, eps=float(norm_eps), ratio=int(compress_ratio)),
+        dict(MODE=_MODES[mode], BLOCK_N=BLOCK_N, D=HEAD_DIM, ROPE=ROPE_DIM, PAGE=PAGE_SLOTS), num_warps=4, num_stages=3,
+        views=views))
+
+
+def _plan_words(plan: torch.Tensor) -> torch.Tensor:
+    """Upstream's uint8 [N, 16] plan as the kernel reads it: [N, 4] int32 words."""
+    return plan.view(torch.int32)
 
 
 def rows_from_plan(plan: torch.Tensor, out_loc: torch.Tensor, mode: str, compress_ratio: int):

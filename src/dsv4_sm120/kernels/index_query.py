@@ -9,6 +9,8 @@ like upstream's ``weights_out``; the same launch scales them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -16,10 +18,12 @@ import triton.language as tl
 from dsv4_sm120.kernels._common import (cdiv, hadamard_128, hadamard_matrix, rope_tail_interleaved, rope_tail_ref,
                                          to_bf16_rne)
 from dsv4_sm120.kernels.index_k_store import as_freqs_real
-from dsv4_sm120.kernels.launch import launch
+from dsv4_sm120.kernels.launch import Launch, check_one_device, same_memory, tensor_key
 from dsv4_sm120.kernels.layout import HEAD_DIM, ROPE_DIM
 
 BLOCK_N = 32
+_PLANS: dict = {}  # index_query_bf16's plans, by argument layout and weight scale
+_PLANS_MAX = 1 << 12
 
 
 # The positions are read one value a row, so their alignment changes no build (sm_90, sm_120): a slice of the
@@ -58,25 +62,65 @@ def _check(q, weights, positions):
 
 
 def index_query_bf16(q, weights, weight_scale: float, freqs, positions):
-    """q [T, H, 128] (any float) -> (rotated q bf16 [T, H, 128], weights fp32 [T, H, 1])."""
-    _check(q, weights, positions)
-    tokens, heads = q.shape[0], q.shape[1]
+    """q [T, H, 128] (any float) -> (rotated q bf16 [T, H, 128], weights fp32 [T, H, 1]).
+
+    As bf16_paged_mqa_logits, the checks and the launch are worked out once per argument layout
+    (:func:`_query_plan`); a call of a known layout allocates the two outputs and launches.
+    """
+    key = (tensor_key(q), tensor_key(weights), tensor_key(positions), tensor_key(freqs), weight_scale)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        plan = _PLANS[key] = _query_plan(q, weights, weight_scale, freqs, positions)
+    if plan.copies:
+        q, weights, freqs, positions = _inputs(q, weights, freqs, positions)
+    out = torch.empty(plan.out_shape, dtype=torch.bfloat16, device=plan.device)
+    w_out = torch.empty(plan.weights_shape, dtype=torch.float32, device=plan.device)
+    if plan.launch is not None:
+        plan.launch(q, weights, out, w_out, freqs, positions)
+    return out, w_out
+
+
+class _Plan(NamedTuple):
+    """What a call of one argument layout does besides reading addresses (see :func:`_query_plan`)."""
+
+    copies: bool  # an input needs a copy (layout or dtype) before the kernel reads it: _inputs per call
+    out_shape: tuple
+    weights_shape: tuple
+    device: torch.device
+    launch: Launch | None  # None: no rows
+
+
+def _inputs(q, weights, freqs, positions):
+    """The inputs as the kernel reads them: contiguous, the head weights [T, H], the RoPE table fp32 pairs."""
     if not q.is_contiguous():
         q = q.contiguous()
     if weights.dim() != 2:  # [T, H, 1] (_check has matched the first two dims to q's)
-        weights = weights.reshape(tokens, heads)
+        weights = weights.reshape(q.shape[0], q.shape[1])
     if not weights.is_contiguous():
         weights = weights.contiguous()
     if not positions.is_contiguous():
         positions = positions.contiguous()
-    out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-    w_out = torch.empty((tokens, heads, 1), dtype=torch.float32, device=q.device)
+    return q, weights, as_freqs_real(freqs), positions
+
+
+def _query_plan(q, weights, weight_scale, freqs, positions) -> _Plan:
+    """Checks and launch of index_query_bf16 for one layout of its arguments."""
+    _check(q, weights, positions)
+    check_one_device(q, weights, freqs, positions)
+    kq, kw, kf, kpos = _inputs(q, weights, freqs, positions)
+    # the kernel reads the inputs themselves where _inputs kept them (a complex table's fp32 view is the table)
+    copies = not (all(map(same_memory, (q, weights, positions), (kq, kw, kpos))) and kf.data_ptr() == freqs.data_ptr())
+    tokens, heads = q.shape[0], q.shape[1]
     n = tokens * heads
-    if n:
-        launch(_query_kernel, (cdiv(n, BLOCK_N),),
-               (q, weights, out, w_out, as_freqs_real(freqs), positions, n, heads, float(weight_scale)),
-               dict(BLOCK_N=BLOCK_N, D=HEAD_DIM, ROPE=ROPE_DIM), num_warps=4, num_stages=3)
-    return out, w_out
+    plan = _Plan(copies, tuple(q.shape), (tokens, heads, 1), q.device, None)
+    if not n:
+        return plan
+    return plan._replace(launch=Launch(
+        _query_kernel, (cdiv(n, BLOCK_N),), dict(n_rows=n, n_heads=heads, weight_scale=float(weight_scale)),
+        dict(BLOCK_N=BLOCK_N, D=HEAD_DIM, ROPE=ROPE_DIM), num_warps=4, num_stages=3,
+        views=None if copies else {"freqs_ptr": as_freqs_real}))
 
 
 def index_query_bf16_ref(q, weights, weight_scale: float, freqs, positions):

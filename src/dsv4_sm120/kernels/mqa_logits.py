@@ -40,12 +40,14 @@ pages, so the output is the same for any grouping (bit for bit on the H200).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from dsv4_sm120.kernels._common import cdiv, interpreting
-from dsv4_sm120.kernels.launch import launch
+from dsv4_sm120.kernels.launch import Launch, check_one_device, same_memory, tensor_key
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, check_pages
 
 # Launch defaults, from the H200 sweeps in bench/results/kernels/indexer_h200_2026-12-01*.json (tune_*: decode
@@ -83,6 +85,10 @@ _DEVICE_PROPS: dict = {}
 # widths grow with the context, so the table is emptied at a bound instead of growing without one.
 _SPLITS: dict = {}
 _SPLITS_MAX = 1 << 16
+# bf16_paged_mqa_logits' plans, by argument layout (tensor_key of each tensor, the width, the options): eager decode
+# widths grow with the context, so the table is emptied at a bound as well.
+_PLANS: dict = {}
+_PLANS_MAX = 1 << 12
 
 
 def decode_program_smem(num_stages: int, *, major: int, heads: int = 64) -> int:
@@ -425,19 +431,56 @@ def bf16_paged_mqa_logits(
     per program and at least ``INLINE_STORE_MIN_ROWS`` rows (H200, Triton 3.8: target-verify 3-9% faster,
     decode of 1 and 8 rows 1-5% slower), and off in prefill, where the head sum's layout holds each of the
     R rows' logits in many threads (12-18% slower there).
+
+    Everything but the tensors' addresses follows from the arguments' layout, so it is worked out once per
+    layout (:func:`_logits_plan`); a call of a known layout allocates the output and launches.
     """
-    check_pages(pages)
-    q, weights, seq_lens, page_table = _normalize(q, weights, seq_lens, page_table)
-    rows = q.shape[0]
+    options = (splits, min_tiles, rows_per_program, tile_pages, early_q, page_hint, strided, qloop_tiles,
+               qloop_stages, num_warps, num_stages, inline_store)
+    key = (tensor_key(q), tensor_key(weights), tensor_key(seq_lens), tensor_key(page_table), tensor_key(pages),
+           None if out is None else tensor_key(out), max_seq_len, options)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        plan = _PLANS[key] = _logits_plan(q, pages, weights, seq_lens, page_table, max_seq_len, out, *options)
+    if plan.copies:
+        q, weights, seq_lens, page_table = _normalize(q, weights, seq_lens, page_table)
     if out is None:
-        out = torch.empty((rows, max_seq_len), dtype=torch.float32, device=q.device)
-    elif out.dtype != torch.float32 or tuple(out.shape) != (rows, max_seq_len) or out.stride(1) != 1:
+        out = torch.empty(plan.out_shape, dtype=torch.float32, device=plan.device)
+    if plan.launch is not None:
+        plan.launch(q, weights, pages, seq_lens, page_table, out)
+    return out
+
+
+class _Plan(NamedTuple):
+    """What a call of one argument layout does besides reading addresses (see :func:`_logits_plan`)."""
+
+    copies: bool  # the inputs need copies (dtype, inner stride) before the kernel reads them: _normalize per call
+    out_shape: tuple
+    device: torch.device
+    launch: Launch | None  # None: nothing to score
+
+
+def _logits_plan(q, pages, weights, seq_lens, page_table, max_seq_len, out, splits, min_tiles, rows_per_program,
+                 tile_pages, early_q, page_hint, strided, qloop_tiles, qloop_stages, num_warps, num_stages,
+                 inline_store) -> _Plan:
+    """Checks, split count, grid and launch of bf16_paged_mqa_logits for one layout of its arguments: the
+    per-call work of a call whose layout was seen before is reading six addresses (issue 24 d)."""
+    check_pages(pages)
+    check_one_device(q, pages, weights, seq_lens, page_table, out)
+    given = (q, weights, seq_lens, page_table)
+    q, weights, seq_lens, page_table = _normalize(*given)
+    copies = not all(map(same_memory, given, (q, weights, seq_lens, page_table)))
+    rows = q.shape[0]
+    if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != (rows, max_seq_len) or out.stride(1) != 1):
         raise ValueError(f"out must be fp32 [{rows}, {max_seq_len}] with unit inner stride")
-    if rows == 0 or max_seq_len == 0:
-        return out
     r = int(rows_per_program) if rows_per_program is not None else (ROWS_PER_PROGRAM if rows >= PREFILL_ROWS else 1)
     if r < 1 or r & (r - 1):
         raise ValueError(f"rows_per_program must be a power of two; got {r}")
+    plan = _Plan(copies, (rows, max_seq_len), q.device, None)
+    if rows == 0 or max_seq_len == 0:
+        return plan
     cfg = PREFILL_CONFIG if r > 1 else DECODE_CONFIG
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
     num_stages = cfg["num_stages"] if num_stages is None else num_stages
@@ -450,17 +493,18 @@ def bf16_paged_mqa_logits(
                                    min_tiles=min_tiles, tile_pages=tile_pages, num_warps=num_warps, heads=q.shape[1])
         grid = (rows, int(splits))
     interp = interpreting()
-    launch(_logits_kernel, grid,
-           (q, weights, pages, seq_lens, page_table, out,
-            q.stride(0), q.stride(1), weights.stride(0), page_table.stride(0), out.stride(0),
-            rows, max_seq_len, int(splits), int(min_tiles), page_table.shape[1]),
-           dict(H=q.shape[1], D=HEAD_DIM, PAGE=PAGE_SLOTS, R=r, TP=int(tile_pages), EARLY_Q=bool(early_q),
-                PAGE_HINT=bool(page_hint), STRIDED=bool(strided),
-                QLOOP_TILES=int(qloop_tiles) if tile_pages == 1 else 0, QLOOP_STAGES=int(qloop_stages), FP32_DOT=interp,
-                INLINE_STORE=(r == 1 and rows >= INLINE_STORE_MIN_ROWS and not interp) if inline_store is None
-                else bool(inline_store)),
-           num_warps=num_warps, num_stages=num_stages)
-    return out
+    return plan._replace(launch=Launch(
+        _logits_kernel, grid,
+        dict(stride_q_row=q.stride(0), stride_q_head=q.stride(1), stride_w_row=weights.stride(0),
+             stride_pt_row=page_table.stride(0), stride_out_row=max_seq_len if out is None else out.stride(0),
+             n_rows=rows, max_seq_len=max_seq_len, splits=int(splits), min_tiles=int(min_tiles),
+             pt_cols=page_table.shape[1]),
+        dict(H=q.shape[1], D=HEAD_DIM, PAGE=PAGE_SLOTS, R=r, TP=int(tile_pages), EARLY_Q=bool(early_q),
+             PAGE_HINT=bool(page_hint), STRIDED=bool(strided),
+             QLOOP_TILES=int(qloop_tiles) if tile_pages == 1 else 0, QLOOP_STAGES=int(qloop_stages), FP32_DOT=interp,
+             INLINE_STORE=(r == 1 and rows >= INLINE_STORE_MIN_ROWS and not interp) if inline_store is None
+             else bool(inline_store)),
+        num_warps=num_warps, num_stages=num_stages))
 
 
 def paged_mqa_logits_ref(q, pages, weights, seq_lens, page_table, max_seq_len, *, dtype=torch.float32,
