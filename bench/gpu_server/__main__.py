@@ -43,6 +43,8 @@ def parser() -> argparse.ArgumentParser:
     pk.add_argument("--arch", type=_archs, default=(90,), help="GPU architectures to keep code for, e.g. 90 or 90,120")
     pk.add_argument("--no-triton", dest="triton", action="store_false", help="leave Triton to the GPU host's image")
     pk.add_argument("--no-tilelang", dest="tilelang", action="store_false", help="leave out TileLang and z3")
+    pk.add_argument("--with-pd", dest="pd", action="store_true",
+                    help="also carry NIXL (CUDA 13) and the PD router, for a prefill/decode pair")
     pk.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "dsv4-gpu-bundle",
                     help="fetched wheels and compressed archives, reused by later packs")
     pk.add_argument("--xz-level", type=int, default=9, choices=range(0, 10))
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.gpu_server import pack
 
         manifest = pack.pack(args.venv, args.out, args.part_mb, args.arch, args.cache, args.xz_level, args.threads,
-                             triton=args.triton, tilelang=args.tilelang)
+                             triton=args.triton, tilelang=args.tilelang, pd=args.pd)
         pack.report(manifest, args.out)
         return 0
     if args.command == "unpack":

@@ -18,7 +18,11 @@ the one it held: after a repack that changed only the project, only the last par
 - ``root/models`` gets the checkpoints of ``models.py``;
 - ``root/env.sh`` sets the paths and points every JIT cache under one cache root that can be kept
   between runs (a warm cache saves about two minutes of nvcc per server start);
-- ``root/bundle.json`` says what is there.
+- ``root/bundle.json`` says what is there;
+- a bundle packed ``--with-pd`` also gets the PD router's console scripts in ``root/bin`` and, for
+  NIXL's UCX CUDA modules, the folders of the host's CUDA libraries they load on ``LD_LIBRARY_PATH``
+  (``libucm_cuda`` needs ``libcudart.so.13`` and names no path to it); ``bundle.json`` says where each
+  host library NIXL and the router need was found, or that it was not.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ from bench.gpu_server import models
 MANIFEST = "manifest.json"
 # Versions bundle.json reports, by distribution name.
 REPORTED = ("torch", "triton", "torchvision", "sglang", "sglang-kernel", "sgl-deep-gemm", "sgl-flash-mla",
-            "tilelang", "z3-solver", "apache-tvm-ffi", "transformers", "nvidia-nccl-cu13", "dsv4-sm120")
+            "tilelang", "z3-solver", "apache-tvm-ffi", "transformers", "nvidia-nccl-cu13", "dsv4-sm120",
+            "nixl", "nixl-cu13", "sglang-router")
 # Every JIT cache the server's stack keeps, by the variable that moves it (subfolder of the cache root).
 CACHES = {
     "SGLANG_CACHE_DIR": "sglang",  # sglang's default for its deep_gemm, CuTe and third-party caches
@@ -180,7 +185,8 @@ def finish(stage: Path, cache_root: Path | None = None, host_site: Path | None =
     scripts = install_wheel(root / "wheels" / manifest["project"]["wheel"], site, root / "bin")
     checkpoints = models.write_all(root / "models")
     cache_root = (cache_root or stage / "cache").resolve()
-    env = write_env(root, cache_root, manifest["bundle"])
+    pd = set_up_pd(manifest.get("pd") or {}, site, root / "bin")
+    env = write_env(root, cache_root, manifest["bundle"], pd.get("library_path", []))
     info = {
         "bundle": manifest["bundle"],
         "packed": manifest["created"],
@@ -201,11 +207,16 @@ def finish(stage: Path, cache_root: Path | None = None, host_site: Path | None =
         "console_scripts": scripts,
         "models": {p.name: str(p) for p in checkpoints},
         "left_to_image": {n: e["reason"] for n, e in manifest["left_to_image"].items()},
+        "pd": pd,
     }
     (root / "bundle.json").write_text(json.dumps(info, indent=1) + "\n")
     print(f"bundle {manifest['bundle']} set up in {root}: torch {info['versions'].get('torch')}, "
           f"sglang {info['versions'].get('sglang')}, triton {info['versions'].get('triton')}, "
           f"host libraries linked: {', '.join(linked) or 'none'}")
+    if pd.get("bundled"):
+        absent = [lib for lib, path in pd["host_libraries"].items() if path is None]
+        print(f"PD: {', '.join(f'{n} {v}' for n, v in pd['versions'].items())}; host libraries not found: "
+              f"{', '.join(absent) or 'none'}")
     if not linked:
         print(f"unpack: WARNING no nvidia/ CUDA libraries found in {host_site}; torch will not find cuBLAS and "
               f"friends (give --host-site)", file=sys.stderr)
@@ -298,9 +309,14 @@ def install_wheel(wheel: Path, site: Path, bin_dir: Path) -> list[str]:
             shutil.rmtree(old)
         zf.extractall(site)
         entry_points = next((n for n in names if n.endswith(".dist-info/entry_points.txt")), None)
-        parser = configparser.ConfigParser(delimiters=("=",))
-        if entry_points:
-            parser.read_string(zf.read(entry_points).decode())
+        return write_scripts(zf.read(entry_points).decode() if entry_points else "", bin_dir)
+
+
+def write_scripts(entry_points: str, bin_dir: Path) -> list[str]:
+    """Write the console scripts of an ``entry_points.txt`` text into ``bin_dir``, run by this Python
+    (pip's launchers, which the bundle's carried distributions do not get: they travel as files)."""
+    parser = configparser.ConfigParser(delimiters=("=",))
+    parser.read_string(entry_points)
     scripts = []
     if parser.has_section("console_scripts"):
         bin_dir.mkdir(parents=True, exist_ok=True)
@@ -313,6 +329,39 @@ def install_wheel(wheel: Path, site: Path, bin_dir: Path) -> list[str]:
     return scripts
 
 
+def set_up_pd(record: dict, site: Path, bin_dir: Path) -> dict:
+    """For a bundle packed --with-pd: the router's scripts, and where the host provides each library that
+    NIXL's and the router's binaries load from outside the bundle (None: not found, that part will fail)."""
+    if not record.get("bundled"):
+        return {"bundled": False, "reason": record.get("reason", "packed before --with-pd existed")}
+    versions = installed(site)
+    scripts = []
+    for name in record["distributions"]:
+        for info in site.glob(f"{normalize(name).replace('-', '_')}-*.dist-info/entry_points.txt"):
+            scripts += write_scripts(info.read_text(), bin_dir)
+    found = {lib: find_library(lib, site) for lib in record["host_libraries"]}
+    in_bundle = [str(Path(path).parent) for path in found.values() if path and path.startswith(str(site))]
+    return {"bundled": True, "versions": {n: versions.get(normalize(n)) for n in record["distributions"]},
+            "console_scripts": scripts, "host_libraries": found, "library_path": sorted(set(in_bundle))}
+
+
+def find_library(name: str, site: Path) -> str | None:
+    """Where the dynamic loader would find ``name``: the host's CUDA libraries linked into
+    ``site/nvidia``, then LD_LIBRARY_PATH, then the loader's cache (``ldconfig -p``)."""
+    dirs = [*sorted(site.glob("nvidia/*/lib")), *map(Path, filter(None, os.environ.get("LD_LIBRARY_PATH", "").split(":")))]
+    for d in dirs:
+        if (d / name).exists():
+            return str(d / name)
+    ldconfig = shutil.which("ldconfig") or ("/sbin/ldconfig" if Path("/sbin/ldconfig").exists() else None)
+    if ldconfig:
+        out = subprocess.run([ldconfig, "-p"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            lib, _, path = line.strip().partition(" => ")
+            if lib.split(" (")[0] == name and "x86-64" in lib:
+                return path
+    return None
+
+
 def installed(site: Path) -> dict[str, str]:
     """{normalized name: version} of the distributions in ``site``, from their dist-info folder names."""
     found = {}
@@ -322,14 +371,18 @@ def installed(site: Path) -> dict[str, str]:
     return found
 
 
-def write_env(root: Path, cache_root: Path, bundle_id: str) -> Path:
+def write_env(root: Path, cache_root: Path, bundle_id: str, library_path: list[str] = ()) -> Path:
     q = shlex.quote
+    loader = [f'export LD_LIBRARY_PATH={q(":".join(library_path))}"${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"',
+              ] if library_path else []
     lines = [
         f"# bundle {bundle_id}, set up by `python -m bench.gpu_server unpack --finish`: source it before serving.",
         f"export DSV4_BUNDLE_ROOT={q(str(root))}",
         f"export DSV4_BUNDLE_PYTHON={q(sys.executable)}",
         f'export PYTHONPATH={q(str(root / "site"))}"${{PYTHONPATH:+:$PYTHONPATH}}"',
         f'export PATH={q(str(root / "bin"))}":$PATH"',
+        *(["# NIXL's UCX CUDA modules load libcudart.so.13 by name (the host's, linked under site/nvidia)"] + loader
+          if loader else []),
         "# JIT caches, all under one root that can be kept between runs",
         f'export DSV4_CACHE_ROOT="${{DSV4_CACHE_ROOT:-{cache_root}}}"',
         *(f'export {var}="$DSV4_CACHE_ROOT{"/" + sub if sub else ""}"' for var, sub in CACHES.items()),

@@ -95,3 +95,29 @@ def prune(path: Path, targets: tuple[int, ...]) -> tuple[int, int]:
                     zeroed += length
         buf.flush()
     return zeroed, kept
+
+
+def needed(path: Path) -> tuple[str | None, list[str]]:
+    """(DT_SONAME, [DT_NEEDED...]) of ELF file ``path``: the libraries the loader must find for it."""
+    with open(path, "rb") as f:
+        if f.read(4) != b"\x7fELF" or path.stat().st_size < 64:
+            return None, []
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            sections = {name: (offset, size) for name, offset, size in elf_sections(buf)}
+            if ".dynamic" not in sections or ".dynstr" not in sections:
+                return None, []
+            (dyn, dyn_size), (strtab, _) = sections[".dynamic"], sections[".dynstr"]
+
+            def string(at: int) -> str:
+                return bytes(buf[strtab + at:strtab + at + 256]).split(b"\0", 1)[0].decode("latin-1")
+
+            soname, libs = None, []
+            for i in range(0, dyn_size - 15, 16):
+                tag, value = struct.unpack_from("<qQ", buf, dyn + i)
+                if tag == 0:
+                    break
+                if tag == 1:
+                    libs.append(string(value))
+                elif tag == 14:
+                    soname = string(value)
+            return soname, libs

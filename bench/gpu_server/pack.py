@@ -139,10 +139,15 @@ class Selection:
     image: dict[str, str]
     dropped: dict[str, str]
     trimmed: dict[str, list[dict]]
+    pd: list[str] = field(default_factory=list)  # carried only for --with-pd (their own archives)
 
 
-def select(venv: Path, archs: tuple[int, ...], cache: Path, triton: bool, tilelang: bool) -> tuple[Selection, str]:
-    """Resolve the pin in ``venv`` (fetching wheels it lacks) and apply the policy; returns the python tag too."""
+def select(venv: Path, archs: tuple[int, ...], cache: Path, triton: bool, tilelang: bool,
+           pd: bool = False) -> tuple[Selection, str]:
+    """Resolve the pin in ``venv`` (fetching wheels it lacks) and apply the policy; returns the python tag too.
+
+    With ``pd``, NIXL and the PD router join the roots; what only they reach is listed in ``Selection.pd``.
+    """
     sites = sorted(venv.glob("lib/python3.*/site-packages"))
     if len(sites) != 1:
         raise SystemExit(f"{venv}: expected one lib/python3.*/site-packages, found {len(sites)}")
@@ -155,17 +160,21 @@ def select(venv: Path, archs: tuple[int, ...], cache: Path, triton: bool, tilela
         image[name] = why
     if not tilelang:
         dropped.update(policy.skip_tilelang())
+    if pd:
+        dropped.update(policy.pd_dropped())
     skip = set(image) | set(dropped)
-    roots = [policy.ROOT_REQUIREMENT, *policy.ALSO]
+    base = [policy.ROOT_REQUIREMENT, *policy.ALSO]
+    roots = base + (list(policy.PD_REQUIREMENTS) if pd else [])
     reached, missing = resolve(roots, available, python, skip)
-    if missing:
+    while missing:  # a fetched wheel may require more that the venv lacks (nixl -> nixl-cu13)
         print(f"pack: {venv} lacks {', '.join(sorted(missing))}; fetching their wheels", flush=True)
-        available.update(fetch_wheels(sorted(missing.values()), cache, python))
-        reached, missing = resolve(roots, available, python, skip)
-        if missing:
+        fetched = fetch_wheels(sorted(missing.values()), cache, python)
+        if not set(missing) & set(fetched):
             raise SystemExit(f"pack: no wheel found for {', '.join(sorted(missing))}")
+        available.update(fetched)
+        reached, missing = resolve(roots, available, python, skip)
     carried, trimmed = {}, {}
-    rules = policy.trims(archs)
+    rules = {**policy.trims(archs), **(policy.pd_trims() if pd else {})}
     for name in reached:
         if name in skip:
             continue
@@ -187,7 +196,9 @@ def select(venv: Path, archs: tuple[int, ...], cache: Path, triton: bool, tilela
         return {n: {"version_in_pin": available[n].version if n in available else None, "reason": why}
                 for n, why in sorted(reasons.items()) if n in reached or n in available}
 
-    return Selection(carried, decided(image), decided(dropped), trimmed), "cp" + python.replace(".", "")
+    only_pd = sorted(set(reached) - set(resolve(base, available, python, skip)[0]) - skip) if pd else []
+    selection = Selection(carried, decided(image), decided(dropped), trimmed, only_pd)
+    return selection, "cp" + python.replace(".", "")
 
 
 def build_project_wheel(out: Path) -> Path:
@@ -221,19 +232,30 @@ class Archive:
 
 
 def plan_archives(selection: Selection, wheel: Path) -> list[Archive]:
-    shared = Archive("site-packages", [], [])
+    """The archives, in part order: the serving stack, then --with-pd's, then the project (changed most often).
+
+    --with-pd's distributions never join the serving stack's archives, so that those stay the same bytes
+    with or without it: the same cached archives, and the same chunks on a GPU host's stage.
+    """
+    serving = {n: d for n, d in selection.carried.items() if n not in selection.pd}
+    pd = {n: d for n, d in selection.carried.items() if n in selection.pd}
+    archives = _group(serving, "site-packages") + (_group(pd, "pd") if pd else [])
+    archives.append(Archive("project", [(f"wheels/{wheel.name}", wheel)], [wheel.name]))
+    return archives
+
+
+def _group(dists: dict[str, Dist], shared_name: str) -> list[Archive]:
+    """One archive per large distribution, and one named ``shared_name`` for all the small ones."""
+    shared = Archive(shared_name, [], [])
     archives = []
-    for name, dist in sorted(selection.carried.items()):
+    for name, dist in sorted(dists.items()):
         members = [(f"site/{p}", dist.site / p) for p in dist.files]
-        size = sum(src.stat().st_size for _, src in members)
-        if size >= policy.OWN_ARCHIVE_BYTES:
+        if sum(src.stat().st_size for _, src in members) >= policy.OWN_ARCHIVE_BYTES:
             archives.append(Archive(name, members, [f"{dist.name} {dist.version}"]))
         else:
             shared.members += members
             shared.holds.append(f"{dist.name} {dist.version}")
-    archives.append(shared)
-    archives.append(Archive("project", [(f"wheels/{wheel.name}", wheel)], [wheel.name]))
-    return archives
+    return archives + [shared]
 
 
 def _archive_key(archive: Archive, archs: tuple[int, ...], level: int, strip: bool) -> str:
@@ -320,9 +342,9 @@ def _git_commit() -> dict:
 
 
 def pack(venv: Path, out: Path, part_mb: float, archs: tuple[int, ...], cache: Path, level: int, threads: int,
-         triton: bool = True, tilelang: bool = True) -> dict:
+         triton: bool = True, tilelang: bool = True, pd: bool = False) -> dict:
     cache.mkdir(parents=True, exist_ok=True)
-    selection, python_tag = select(venv, archs, cache, triton, tilelang)
+    selection, python_tag = select(venv, archs, cache, triton, tilelang, pd)
     strip = shutil.which("strip")
     work = Path(tempfile.mkdtemp(prefix="dsv4-wheel-"))
     try:
@@ -382,6 +404,29 @@ def _manifest(selection: Selection, python_tag: str, archs, wheel: Path, content
         "trimmed": selection.trimmed,
         "left_to_image": selection.image,
         "dropped": selection.dropped,
+        "pd": pd_record(selection),
+    }
+
+
+def pd_record(selection: Selection) -> dict:
+    """Whether the bundle carries the PD pair's NIXL and router, and which host libraries their binaries
+    load that neither they nor the base system provide (the GPU host's driver and CUDA runtime)."""
+    if not selection.pd:
+        return {"bundled": False, "reason": "packed without --with-pd"}
+    dists = [selection.carried[n] for n in selection.pd]
+    provided, users = set(policy.BASE_LIBRARIES), {}
+    for dist in dists:
+        for rel in dist.files:
+            soname, libs = fatbin.needed(dist.site / rel)
+            provided.update({Path(rel).name, soname} - {None})
+            for lib in libs:
+                users.setdefault(lib, []).append(rel)
+    return {
+        "bundled": True,
+        "reason": "--with-pd: " + "; ".join(f"{req}: {why}" for req, why in policy.PD_REQUIREMENTS.items()),
+        "distributions": {d.name: d.version for d in dists},
+        "host_libraries": {lib: {"files": len(paths), "e.g.": sorted(paths)[:2]}
+                           for lib, paths in sorted(users.items()) if lib not in provided},
     }
 
 

@@ -150,3 +150,40 @@ def trims(archs: tuple[int, ...]) -> dict[str, list[tuple[str, str]]]:
         "triton": triton,
         "tilelang": [("tilelang/3rdparty/composable_kernel/*", "AMD Composable Kernel headers (ROCm only)")],
     }
+
+
+# --with-pd: what a prefill/decode pair over NIXL behind the PD router needs beyond the serving stack.
+# sglang requires neither; both pins are what the CPU tests of the PD pair ran (UPSTREAM_MAP.md).
+PD_REQUIREMENTS = {
+    "nixl==1.5.1": "sglang's disaggregation/nixl/conn.py imports nixl._api (the meta package, which picks "
+                   "nixl_cu13 by the CUDA version of the torch already imported)",
+    "sglang-router==0.3.2": "the PD router in front of the pair (python -m sglang_router.launch_router "
+                            "--pd-disaggregation), a Rust extension in a Python wheel",
+}
+# Libraries every Linux host has; the PD record lists only what the host must add beyond these.
+BASE_LIBRARIES = ("libc.so.6", "libm.so.6", "libdl.so.2", "librt.so.1", "libpthread.so.0", "libgcc_s.so.1",
+                  "libstdc++.so.6", "ld-linux-x86-64.so.2")
+
+
+def pd_dropped() -> dict[str, str]:
+    """What nixl 1.5.1 requires but the GPU host never loads."""
+    return {"nixl-cu12": "NIXL built for CUDA 12; the meta package imports nixl_cu13 because the pin's torch "
+                         "2.14.1 is a CUDA 13.0 build (and the H200 host's driver 580 is CUDA 13)"}
+
+
+def pd_trims() -> dict[str, list[tuple[str, str]]]:
+    """Files of nixl-cu13 a PD pair over UCX never loads (libnixl.so finds its plugins in the folder
+    beside it, ``.nixl_cu13.mesonpy.libs/plugins``, by dladdr; the rehearsal checks UCX still loads)."""
+    plugins = ".nixl_cu13.mesonpy.libs/plugins/"
+    no_host_library = "a NIXL backend whose library the GPU host image lacks ({}); NIXL skips it with a warning"
+    return {"nixl-cu13": [
+        ("nixl_ep_cu13/*", "NIXL EP, the MoE all-to-all (--moe-a2a-backend nixl only); 95 MB of torch extensions"),
+        ("nixl_cu13-*.data/*", "C++ headers, pkg-config files and example programs"),
+        ("nixl_cu13.libs/nixl/*", "a second copy of the plugins that libnixl.so never looks in"),
+        ("nixl_cu13.libs/ucx/libucx_perftest_*", "UCX's perftest modules"),
+        (plugins + "libplugin_GPUNETIO.so", no_host_library.format("DOCA")),
+        (plugins + "libtelemetry_exporter_doca.so", no_host_library.format("DOCA")),
+        (plugins + "libplugin_LIBFABRIC.so", no_host_library.format("libfabric")),
+        (plugins + "libplugin_INFINIA.so", no_host_library.format("libred_client")),
+        (plugins + "libplugin_OBJ.so", no_host_library.format("libcuobjclient")),
+    ]}

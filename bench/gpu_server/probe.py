@@ -6,12 +6,15 @@ sm_ARCH would (so that upstream's architecture switches take the branches the GP
 sgl_kernel loading ``sm90/common_ops``), imports each module, and prints one JSON line per module:
 ``ok``, ``device`` (an error about the missing GPU or driver: expected on a CPU host), ``missing``
 (a module nobody carries) or ``error``. Then a line with the versions and the checks that need no
-GPU: the NCCL that torch loaded, and the plugin's entry point.
+GPU: the NCCL that torch loaded, and the plugin's entry point. With ``--pd`` first among the modules
+(a bundle packed ``--with-pd``), also a NIXL agent with its UCX backend on this host's memory, and the
+PD router's ``--help``.
 """
 
 import importlib
 import json
 import re
+import subprocess
 import sys
 import traceback
 
@@ -69,15 +72,43 @@ def checks() -> dict:
     return found
 
 
+def pd_checks() -> dict:
+    """What the PD pair needs to start, short of a GPU: a NIXL agent whose UCX backend comes up (on a CPU
+    host with DRAM only; the memory kinds it lists say whether UCX found its CUDA modules), and the router."""
+    found = {}
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        agent = nixl_agent("rehearsal", nixl_agent_config(backends=["UCX"]))
+        found["nixl_backend_module"] = type(agent).__module__
+        found["nixl_plugins"] = sorted(agent.get_plugin_list())
+        found["nixl_ucx_mem_types"] = agent.get_plugin_mem_types("UCX")
+        found["nixl_ucx_backend"] = "UCX" in agent.backends
+    except Exception as error:  # noqa: BLE001 - the finding is the error
+        found["nixl_error"] = f"{type(error).__name__}: {error}"[:400]
+    router = subprocess.run([sys.executable, "-S", "-m", "sglang_router.launch_router", "--help"],
+                            capture_output=True, text=True, timeout=120)
+    lines = (router.stdout or router.stderr).splitlines()
+    found["router_help"] = {"returncode": router.returncode, "lines": len(lines), "head": lines[:3],
+                            "pd_flags": sorted({f for f in re.findall(r"--(?:pd-disaggregation|prefill|decode)\b",
+                                                                    router.stdout)})}
+    return found
+
+
 def main(argv: list[str]) -> None:
     arch, modules = int(argv[0]), argv[1:]
+    pd = modules[:1] == ["--pd"]
+    modules = modules[1:] if pd else modules
     first = probe("torch")
     print(json.dumps(first), flush=True)
     if first["status"] == "ok":
         fake_device(sys.modules["torch"], arch)
     for module in modules:
         print(json.dumps(probe(module)), flush=True)
-    print(json.dumps({"checks": checks()}), flush=True)
+    found = checks()
+    if pd:
+        found["pd"] = pd_checks()
+    print(json.dumps({"checks": found}), flush=True)
 
 
 if __name__ == "__main__":

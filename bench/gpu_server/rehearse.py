@@ -43,6 +43,9 @@ MODULES = [
     "sglang.kernels.ops.layernorm.mhc_mega",
     "dsv4_sm120.plugin", "dsv4_sm120.model.deepseek_v4",
 ]
+# A bundle packed --with-pd: what the prefill/decode pair and the router import.
+PD_MODULES = ["nixl._api", "sglang.srt.disaggregation.nixl.conn", "sglang.srt.disaggregation.prefill",
+              "sglang.srt.disaggregation.decode", "sglang_router", "sglang_router.launch_router"]
 
 
 def make_image(venv: Path, image: Path, manifest: dict) -> list[str]:
@@ -108,9 +111,10 @@ def main(stage: Path, image: Path, from_venv: Path | None, python: str, parts: P
     script = (f'. {root / "env.sh"} && export PYTHONPATH="$PYTHONPATH:{image}" '
               f'LD_LIBRARY_PATH={stub or ""} && exec "$0" -S "$@"')
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "LD_LIBRARY", "DSV4_", "SGLANG_"))}
+    modules = ["--pd", *MODULES, *PD_MODULES] if (manifest.get("pd") or {}).get("bundled") else MODULES
     with tempfile.TemporaryDirectory() as home:
         env["HOME"] = home
-        proc = subprocess.run(["bash", "-c", script, python, str(probe), str(arch), *MODULES],
+        proc = subprocess.run(["bash", "-c", script, python, str(probe), str(arch), *modules],
                               capture_output=True, text=True, env=env, cwd=home)
     return report(proc)
 

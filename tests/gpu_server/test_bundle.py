@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,44 @@ def _dist(site: Path, name: str, version: str, files: dict[str, bytes], requires
     (info / "RECORD").write_text("\n".join(record) + "\n")
 
 
+def _elf(needed: list[str], soname: str | None = None) -> bytes:
+    """A minimal ELF64 file whose dynamic section names ``needed`` (and ``soname``): enough for pack's reader."""
+    names = [soname, *needed] if soname else needed
+    dynstr = b"\0" + b"".join(n.encode() + b"\0" for n in names)
+    offsets = [dynstr.index(b"\0" + n.encode() + b"\0") + 1 for n in names]
+    tags = ([14] if soname else []) + [1] * len(needed)
+    dynamic = b"".join(struct.pack("<qQ", t, o) for t, o in zip(tags, offsets)) + struct.pack("<qQ", 0, 0)
+    shstr = b"\0.dynstr\0.dynamic\0.shstrtab\0"
+    body = dynstr + dynamic + shstr
+    at_dynstr, at_dynamic, at_shstr = 64, 64 + len(dynstr), 64 + len(dynstr) + len(dynamic)
+    shoff = 64 + len(body)
+    header = b"\x7fELF\x02\x01\x01" + b"\0" * 9 + struct.pack("<HHIQQQIHHHHHH", 3, 62, 1, 0, 0, shoff, 0, 64, 0, 0,
+                                                                  64, 4, 3)
+    section = lambda name, kind, off, size: struct.pack("<IIQQQQIIQQ", name, kind, 0, 0, off, size, 0, 0, 1, 0)
+    sections = (section(0, 0, 0, 0) + section(1, 3, at_dynstr, len(dynstr))
+                + section(9, 6, at_dynamic, len(dynamic)) + section(18, 3, at_shstr, len(shstr)))
+    return header + body + sections
+
+
+def _pd_dists(site: Path) -> None:
+    """NIXL as PyPI ships 1.5.1 (a meta package over per-CUDA builds) and the PD router."""
+    _dist(site, "nixl", "1.5.1", {"nixl/__init__.py": b"", "nixl/_api.py": b""},
+          requires=["nixl-cu12==1.5.1", "nixl-cu13==1.5.1"])
+    _dist(site, "nixl-cu12", "1.5.1", {"nixl_cu12/__init__.py": b""})
+    _dist(site, "nixl-cu13", "1.5.1", {
+        "nixl_cu13/__init__.py": b"",
+        ".nixl_cu13.mesonpy.libs/libnixl.so": _elf(["libucs-1.so.0", "libc.so.6"], "libnixl.so"),
+        "nixl_cu13.libs/libucs-1.so.0": _elf(["libc.so.6"]),
+        "nixl_cu13.libs/ucx/libucm_cuda.so.0.0.0": _elf(["libucs-1.so.0", "libcuda.so.1", "libcudart.so.13"]),
+        "nixl_ep_cu13/nixl_ep_cpp_torch214.so": _elf(["libtorch.so"]),
+    }, requires=["torch", "numpy"])
+    _dist(site, "sglang-router", "0.3.2", {"sglang_router/__init__.py": b"", "sglang_router/cli.py": b"def main(): pass\n",
+                                           "sglang_router/sglang_router_rs.abi3.so": _elf(["libstdc++.so.6"])})
+    info = site / "sglang_router-0.3.2.dist-info"
+    (info / "entry_points.txt").write_text("[console_scripts]\nsglang-router = sglang_router.cli:main\n")
+    (info / "RECORD").write_text((info / "RECORD").read_text() + f"{info.name}/entry_points.txt,,\n")
+
+
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> Path:
     """A venv shaped like the pin's: a root 'sglang', a multi-MB binary, NCCL's library folder."""
@@ -38,7 +77,7 @@ def venv(tmp_path_factory) -> Path:
     rng = __import__("random").Random(0)
     _dist(site, "sglang", "0.5.23", {"sglang/__init__.py": b"__version__ = '0.5.23'\n",
                                      "sglang/test/test_utils.py": b"# trimmed\n"},
-          requires=["bigbin>=1", "small[extra1]", "numpy", "flashinfer-python==0.7.2", "triton", "tilelang",
+          requires=["bigbin>=1", "small[extra1]", "numpy", "torch", "flashinfer-python==0.7.2", "triton", "tilelang",
                     'old-python-only; python_version < "3.12"', 'test-only; extra == "test"'])
     _dist(site, "bigbin", "1.0", {"bigbin/__init__.py": b"", "bigbin/_core.so": rng.randbytes(3 << 20)})
     _dist(site, "small", "2.0", {"small/__init__.py": b"X = 1\n"}, requires=['nvidia-nccl-cu13; extra == "extra1"'])
@@ -47,19 +86,28 @@ def venv(tmp_path_factory) -> Path:
         "__init__.py", "backends/nvidia/bin/ptxas", "backends/nvidia/bin/ptxas-blackwell", "_C/libproton.so")})
     _dist(site, "tilelang", "0.1.12", {"tilelang/__init__.py": b""}, requires=["z3-solver"])
     _dist(site, "z3-solver", "4.15.4.0", {"z3/__init__.py": b""})
+    _dist(site, "torch", "2.14.1", {"torch/__init__.py": b""})
     for name in ("dill", "jsonschema"):  # the server imports these itself (policy.ALSO)
         _dist(site, name, "1.0", {f"{name}/__init__.py": b""})
+    _pd_dists(site)
     return root
+
+
+def _pack(venv: Path, out: Path, cache: Path, *flags: str) -> Path:
+    subprocess.run([sys.executable, "-m", "bench.gpu_server", "pack", "--venv", str(venv), "--out", str(out),
+                    "--part-mb", str(PART_MB), "--cache", str(cache), "--xz-level", "6", *flags],
+                   cwd=REPO, check=True, capture_output=True, text=True)
+    return out
 
 
 @pytest.fixture(scope="module")
 def packed(venv, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("bundle")
-    cache = tmp_path_factory.mktemp("cache")
-    subprocess.run([sys.executable, "-m", "bench.gpu_server", "pack", "--venv", str(venv), "--out", str(out),
-                    "--part-mb", str(PART_MB), "--cache", str(cache), "--xz-level", "6"],
-                   cwd=REPO, check=True, capture_output=True, text=True)
-    return out
+    return _pack(venv, tmp_path_factory.mktemp("bundle"), tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def packed_pd(venv, tmp_path_factory) -> Path:
+    return _pack(venv, tmp_path_factory.mktemp("bundle-pd"), tmp_path_factory.mktemp("cache-pd"), "--with-pd")
 
 
 def _manifest(out: Path) -> dict:
@@ -82,9 +130,11 @@ def test_parts_stay_under_the_limit_and_the_manifest_names_everything(packed):
     assert manifest["project"]["wheel"].startswith("dsv4_sm120-") and "project" in manifest["archives"]
     assert set(manifest["models"]) == set(models.MODELS) >= {"tiny", "flash12"}
     assert set(manifest["bundled"]) == {"sglang", "bigbin", "small", "nvidia-nccl-cu13", "dill", "jsonschema",
-                                        "triton", "tilelang", "z3-solver"}
+                                        "triton", "tilelang", "z3-solver", "torch"}
     assert manifest["left_to_image"]["numpy"]["reason"] and manifest["dropped"]["flashinfer-python"]["reason"]
     assert manifest["trimmed"]["sglang"][0]["files"] == 1
+    assert manifest["pd"] == {"bundled": False, "reason": "packed without --with-pd"}
+    assert "pd" not in manifest["archives"] and "nixl-cu12" not in manifest["dropped"]
     big = [c for c in manifest["chunks"] if c["archive"] == "site-packages"]
     assert len({c["part"] for c in big}) >= 3  # the big binary is split across parts
 
@@ -128,7 +178,45 @@ def test_parts_arrive_one_at_a_time_in_any_order_and_finish_sets_up_the_tree(pac
     assert info["bundle"] == manifest["bundle"] and info["versions"]["sglang"] == "0.5.23"
     assert info["versions"]["dsv4-sm120"]
     assert info["host_libraries_linked"] == {"cu13": str((host / "nvidia" / "cu13").resolve())}
+    assert info["pd"]["bundled"] is False and not (site / "nixl").exists() and not (root / "bin" / "sglang-router").exists()
+    assert "LD_LIBRARY_PATH" not in env
     assert "already set up" in _unpack("--finish", "--stage", stage).stdout
+
+
+def test_with_pd_carries_nixl_and_the_router_in_archives_of_their_own(packed, packed_pd):
+    manifest, plain = _manifest(packed_pd), _manifest(packed)
+    pd = manifest["pd"]
+    assert pd["bundled"] and pd["distributions"] == {"nixl": "1.5.1", "nixl-cu13": "1.5.1", "sglang-router": "0.3.2"}
+    assert {"nixl", "nixl-cu13", "sglang-router"} <= set(manifest["bundled"]) and "nixl-cu12" in manifest["dropped"]
+    assert {manifest["bundled"][n]["archive"] for n in pd["distributions"]} == {"pd"}
+    assert set(pd["host_libraries"]) == {"libcuda.so.1", "libcudart.so.13"}  # not its own, not the base system's
+    assert manifest["trimmed"]["nixl-cu13"][0]["files"] == 1  # NIXL EP's torch extension
+    for name in set(plain["archives"]) - {"project"}:  # the serving stack's archives stay the same bytes
+        assert manifest["archives"][name]["sha256"] == plain["archives"][name]["sha256"], name
+
+
+def test_with_pd_unpack_sets_up_the_router_and_the_cuda_runtime_for_ucx(packed_pd, tmp_path):
+    stage = tmp_path / "stage"
+    for part in sorted(packed_pd.glob("part*")):
+        assert _unpack("--part", part, "--stage", stage).returncode == 0
+    host = tmp_path / "host-site"
+    (host / "nvidia" / "cu13" / "lib").mkdir(parents=True)
+    (host / "nvidia" / "cu13" / "lib" / "libcudart.so.13").write_bytes(b"")
+    done = _unpack("--finish", "--stage", stage, "--host-site", host)
+    assert done.returncode == 0, done.stderr
+    root = stage / "root"
+    site = root / "site"
+    assert (site / "nixl" / "_api.py").exists() and (site / ".nixl_cu13.mesonpy.libs" / "libnixl.so").exists()
+    assert not (site / "nixl_ep_cu13").exists() and not (site / "nixl_cu12").exists()
+    assert (root / "bin" / "sglang-router").exists()
+    info = json.loads((root / "bundle.json").read_text())
+    assert info["versions"]["nixl-cu13"] == "1.5.1" and info["versions"]["sglang-router"] == "0.3.2"
+    cudart = site / "nvidia" / "cu13" / "lib"
+    assert info["pd"]["host_libraries"]["libcudart.so.13"] == str(cudart / "libcudart.so.13")
+    assert info["pd"]["console_scripts"] == ["sglang-router"] and "libcudart.so.13" not in done.stdout.split("not found:")[1]
+    shell = subprocess.run(["bash", "-c", f". {root / 'env.sh'} && echo $LD_LIBRARY_PATH && command -v sglang-router"],
+                           capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, check=True).stdout.split()
+    assert shell == [str(cudart), str(root / "bin" / "sglang-router")]
 
 
 def test_finish_without_the_xz_and_tar_commands(packed, venv, tmp_path, monkeypatch):
