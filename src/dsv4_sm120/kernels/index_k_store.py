@@ -28,7 +28,7 @@ import triton.language as tl
 
 from dsv4_sm120.kernels._common import (cdiv, hadamard_128, hadamard_matrix, rope_tail_interleaved, rope_tail_ref,
                                          to_bf16_rne)
-from dsv4_sm120.kernels.launch import Launch, check_one_device, tensor_key
+from dsv4_sm120.kernels.launch import Launch, check_one_device, kept, tensor_key
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, ROPE_DIM, check_pages
 
 _MODES = {"rows": 0, "extend": 1, "decode": 2}
@@ -99,13 +99,7 @@ def as_freqs_real(freqs: torch.Tensor) -> torch.Tensor:
     Every indexer call passes the same table, so the view of a contiguous complex64 table is kept (it shares
     the table's memory, so it can never be stale, and holding it keeps that address from being reused)."""
     if freqs.dtype == torch.complex64 and freqs.is_contiguous():
-        key = (freqs.data_ptr(), freqs.shape, freqs.device)
-        real = _FREQS.get(key)
-        if real is None:
-            if len(_FREQS) >= _FREQS_MAX:
-                _FREQS.clear()
-            real = _FREQS[key] = _real(freqs)
-        return real
+        return kept(_FREQS, (freqs.data_ptr(), freqs.shape, freqs.device), _FREQS_MAX, lambda: _real(freqs))
     return _real(freqs)
 
 
@@ -153,12 +147,8 @@ def store_index_k_bf16(
     key = (tensor_key(kv), tensor_key(pages), tensor_key(out_loc), tensor_key(norm_weight), tensor_key(freqs),
            None if positions is None else tensor_key(positions), None if plan is None else tensor_key(plan),
            norm_eps, mode, compress_ratio)
-    store = _PLANS.get(key)
-    if store is None:
-        if len(_PLANS) >= _PLANS_MAX:
-            _PLANS.clear()
-        store = _PLANS[key] = _store_plan(kv, pages, out_loc, norm_weight, norm_eps, freqs, mode, positions, plan,
-                                          compress_ratio)
+    store = kept(_PLANS, key, _PLANS_MAX, lambda: _store_plan(kv, pages, out_loc, norm_weight, norm_eps, freqs, mode,
+                                                             positions, plan, compress_ratio))
     if store.launch is None:
         return
     if store.cast_weight:  # upstream feeds the weight in the input dtype; otherwise a cast per call

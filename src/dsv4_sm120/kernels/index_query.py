@@ -18,7 +18,7 @@ import triton.language as tl
 from dsv4_sm120.kernels._common import (cdiv, hadamard_128, hadamard_matrix, rope_tail_interleaved, rope_tail_ref,
                                          to_bf16_rne)
 from dsv4_sm120.kernels.index_k_store import as_freqs_real
-from dsv4_sm120.kernels.launch import Launch, check_one_device, same_memory, tensor_key
+from dsv4_sm120.kernels.launch import Launch, check_one_device, kept, same_memory, tensor_key
 from dsv4_sm120.kernels.layout import HEAD_DIM, ROPE_DIM
 
 BLOCK_N = 32
@@ -68,11 +68,7 @@ def index_query_bf16(q, weights, weight_scale: float, freqs, positions):
     (:func:`_query_plan`); a call of a known layout allocates the two outputs and launches.
     """
     key = (tensor_key(q), tensor_key(weights), tensor_key(positions), tensor_key(freqs), weight_scale)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= _PLANS_MAX:
-            _PLANS.clear()
-        plan = _PLANS[key] = _query_plan(q, weights, weight_scale, freqs, positions)
+    plan = kept(_PLANS, key, _PLANS_MAX, lambda: _query_plan(q, weights, weight_scale, freqs, positions))
     if plan.copies:
         q, weights, freqs, positions = _inputs(q, weights, freqs, positions)
     out = torch.empty(plan.out_shape, dtype=torch.bfloat16, device=plan.device)

@@ -97,6 +97,17 @@ def all_args(kernel, args, constexprs: dict) -> tuple:
     return (*args, *[constexprs[name] for name in kernel.arg_names[len(args):]])
 
 
+def kept(table: dict, key, limit: int, build):
+    """``table[key]``, made by ``build()`` the first time it is asked for; a table that reached ``limit`` entries
+    is emptied first (eager decode widths grow with the context, so new keys keep coming)."""
+    value = table.get(key)
+    if value is None:
+        if len(table) >= limit:
+            table.clear()
+        value = table[key] = build()
+    return value
+
+
 def tensor_key(t: torch.Tensor) -> tuple:
     """What a wrapper's per-layout plan depends on in a tensor (its address aside): read without any torch op."""
     return t.shape, t.stride(), t.dtype, t.device

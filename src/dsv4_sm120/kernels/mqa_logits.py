@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from dsv4_sm120.kernels._common import cdiv, interpreting
-from dsv4_sm120.kernels.launch import Launch, check_one_device, same_memory, tensor_key
+from dsv4_sm120.kernels.launch import Launch, check_one_device, kept, same_memory, tensor_key
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, check_pages
 
 # Launch defaults, from the H200 sweeps in bench/results/kernels/indexer_h200_2026-12-01*.json (tune_*: decode
@@ -139,14 +139,12 @@ def decode_splits(rows: int, max_seq_len: int, *, device: torch.device, num_stag
     """
     max_splits = max(1, cdiv(max_seq_len, PAGE_SLOTS * tile_pages * min_tiles))
     key = (rows, max_splits, _device_index(device), num_stages, num_warps, heads)
-    splits = _SPLITS.get(key)
-    if splits is None:
-        if len(_SPLITS) >= _SPLITS_MAX:
-            _SPLITS.clear()
+
+    def search() -> int:
         props = _device_props(device)
-        splits = _SPLITS[key] = _search_splits(
-            rows, max_splits, resident_programs(props, num_stages, num_warps, heads) * props["multi_processor_count"])
-    return splits
+        return _search_splits(rows, max_splits,
+                              resident_programs(props, num_stages, num_warps, heads) * props["multi_processor_count"])
+    return kept(_SPLITS, key, _SPLITS_MAX, search)
 
 
 def _search_splits(rows: int, max_splits: int, slots: int) -> int:
@@ -439,11 +437,8 @@ def bf16_paged_mqa_logits(
                qloop_stages, num_warps, num_stages, inline_store)
     key = (tensor_key(q), tensor_key(weights), tensor_key(seq_lens), tensor_key(page_table), tensor_key(pages),
            None if out is None else tensor_key(out), max_seq_len, options)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= _PLANS_MAX:
-            _PLANS.clear()
-        plan = _PLANS[key] = _logits_plan(q, pages, weights, seq_lens, page_table, max_seq_len, out, *options)
+    plan = kept(_PLANS, key, _PLANS_MAX,
+                lambda: _logits_plan(q, pages, weights, seq_lens, page_table, max_seq_len, out, *options))
     if plan.copies:
         q, weights, seq_lens, page_table = _normalize(q, weights, seq_lens, page_table)
     if out is None:
