@@ -50,14 +50,10 @@ LAYOUTS = {
 def _spec(name: str, index_k: str, hicache: list[str] | None, fault: str = "") -> ServerSpec:
     env = {"DSV4_SM120_INDEX_K_CHECKSUM": "1"}
     if fault:
-        env.update({"DSV4_TEST_FAULT": fault, "PYTHONPATH": f"{FAULTS_DIR}:{_pythonpath()}"})
+        env.update({"DSV4_TEST_FAULT": fault, "PYTHONPATH": f"{FAULTS_DIR}:{os.environ.get('PYTHONPATH', '')}"})
     return ServerSpec(name, "hicache", "dsv4", index_k=index_k, mem_fraction=0.3, max_total_tokens=32768,
                       context_length=8192, max_running=WAVE, chunked_prefill=4096,
                       extra_args=(_HICACHE + hicache) if hicache is not None else [], extra_env=env)
-
-
-def _pythonpath() -> str:
-    return os.environ.get("PYTHONPATH", "")
 
 
 def specs() -> list[ServerSpec]:

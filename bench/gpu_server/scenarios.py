@@ -245,9 +245,7 @@ def kernel_shares(trace_path) -> dict:
 def profile_decode(url: str, out_dir, name: str, batch: int, ctx: int, prefix: list[int], vocab: int,
                    steps: int = 4, timeout: float = 120) -> dict:
     """Profile ``steps`` decode steps of a running batch on one server; the kernel shares of that window."""
-    import json
     import threading
-    import urllib.request
     from pathlib import Path
 
     out_dir = Path(out_dir) / name
@@ -257,9 +255,7 @@ def profile_decode(url: str, out_dir, name: str, batch: int, ctx: int, prefix: l
     worker.start()
     time.sleep(1.0)  # the batch's short prefill is over; it decodes
     body = {"output_dir": str(out_dir), "num_steps": steps, "activities": ["GPU"], "profile_id": name}
-    req = urllib.request.Request(url + "/start_profile", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    urllib.request.urlopen(req, timeout=timeout).read()
+    traffic.request(url, "/start_profile", body, timeout=timeout)
     worker.join(timeout)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

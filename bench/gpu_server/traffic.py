@@ -31,7 +31,21 @@ def prompts(seed: int, batch: int, length: int, vocab: int, prefix: list[int] | 
 
 
 class RequestFailed(RuntimeError):
-    """A /generate call did not answer 200; the message has the server's answer."""
+    """A request did not answer 200; the message has the server's answer."""
+
+
+def request(url: str, path: str, body: dict | None = None, *, timeout: float = 30) -> bytes:
+    """The answer of one GET (no body) or JSON POST to ``url + path``; anything but 200 raises RequestFailed."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method="GET" if body is None else "POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.read()
+    except urllib.error.HTTPError as exc:
+        raise RequestFailed(f"{url}{path} answered {exc.code}: {exc.read()[:2000]!r}") from exc
+    except (urllib.error.URLError, OSError) as exc:
+        raise RequestFailed(f"{url}{path}: {exc}") from exc
 
 
 def generate(url: str, input_ids: list[list[int]], max_new_tokens: int, *, timeout: float = 600,
@@ -43,17 +57,8 @@ def generate(url: str, input_ids: list[list[int]], max_new_tokens: int, *, timeo
     }
     if return_indexer_topk:
         body["return_indexer_topk"] = True
-    data = json.dumps(body).encode()
-    req = urllib.request.Request(url + "/generate", data=data, method="POST",
-                                 headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            payload = resp.read()
-    except urllib.error.HTTPError as exc:
-        raise RequestFailed(f"{url}/generate answered {exc.code}: {exc.read()[:2000]!r}") from exc
-    except (urllib.error.URLError, OSError) as exc:
-        raise RequestFailed(f"{url}/generate: {exc}") from exc
+    payload = request(url, "/generate", body, timeout=timeout)
     seconds = time.perf_counter() - t0
     out = json.loads(payload)
     return seconds, out if isinstance(out, list) else [out]
@@ -82,5 +87,4 @@ def indexer_topk(result: dict, layers: int, topk: int):
 
 
 def get_text(url: str, path: str, timeout: float = 30) -> str:
-    with urllib.request.urlopen(url + path, timeout=timeout) as resp:
-        return resp.read().decode(errors="replace")
+    return request(url, path, timeout=timeout).decode(errors="replace")
