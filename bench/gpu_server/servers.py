@@ -105,6 +105,8 @@ class ServerSpec:
             "--sampling-backend", "pytorch", "--grammar-backend", "none", "--random-seed", "0",
             "--enable-metrics", "--cuda-graph-backend-prefill", "disabled",
         ]
+        if self.impl == "dsv4":  # the package's servers warm every shape up before they report healthy
+            args += ["--warmups", "dsv4_shapes"]
         if self.graphs:
             args += ["--cuda-graph-max-bs-decode", str(self.max_running)]
         else:

@@ -35,6 +35,18 @@ MANIFEST: tuple[Touch, ...] = (
         "--model-impl dsv4 resolves to the package's DeepSeek-V4 class; other impls pass through.",
     ),
     Touch(
+        "sglang.srt.entrypoints.warmup.execute_warmups",
+        "before",
+        "model",
+        "Puts dsv4_shapes in upstream's warmup registry, so --warmups dsv4_shapes serves each shape before /health.",
+    ),
+    Touch("sglang.srt.entrypoints.warmup._warmup_registry", "calls", "model",
+          "The registry --warmups names are looked up in; dsv4_shapes is added to it."),
+    Touch("sglang.srt.managers.io_struct.GenerateReqInput", "calls", "model",
+          "The warmup's requests, as upstream's own warmups build them."),
+    Touch("sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST", "calls", "model",
+          "A PD server's warmup requests go to the fake peer, as upstream's own warmups do."),
+    Touch(
         "sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM",
         "subclass",
         "model",

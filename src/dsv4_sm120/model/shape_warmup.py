@@ -1,0 +1,88 @@
+"""``--warmups dsv4_shapes``: the request shapes a DeepSeek-V4 server meets, served once before it is healthy.
+
+The package compiles its own kernels while the model is built (``kernels/warmup.py``). What a first
+request of a new shape still pays is upstream's first use: the top-k selection switching on once a prompt
+passes ``4 x index_topk`` tokens, chunked extends over a cached prefix, kernels that upstream compiles on
+first call, the allocator growing to a long prompt's activations. On an H200 the first 4096- and
+16384-token requests took 2.5-2.8x their steady latency under CUDA graphs, with upstream's fp8 indexer as
+with the package's bf16 one (``bench/results/gpu_serving/``).
+
+sglang runs the warmups named by ``--warmups`` in its HTTP process before it accepts a request, so
+``/health`` turns healthy only after these have run. The plan is small and bounded: prompts from 128
+tokens up to a few prefill chunks (past that nothing new is met: every chunk is one more extend over a
+cached prefix), one batch of concurrent mid-size prompts and one full batch of short ones (decode at the
+largest running batch). Each request decodes a few tokens, so decode at that context runs too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+
+logger = logging.getLogger("dsv4_sm120.warmup")
+
+NAME = "dsv4_shapes"
+NEW_TOKENS = 4
+SHORT, MID = 128, 1024
+MIN_LONGEST = 16384  # the longest prompt is at least this (within the context), at most a few chunks
+CHUNKS = 4
+MAX_BATCH = 64
+
+
+def plan(context_len: int, chunk: int | None, max_running: int | None, reserved: int = 0) -> list[tuple[int, int]]:
+    """The warmup's groups as (concurrent requests, prompt tokens), in the order they are sent; every prompt
+    with its new tokens fits the context (``reserved``: tokens the server adds to each prompt)."""
+    room = context_len - reserved - NEW_TOKENS - 1
+    chunk = chunk if chunk and chunk > 0 else room
+    longest = min(room, max(MIN_LONGEST, CHUNKS * chunk))
+    lengths, n = {SHORT, MID}, 2048
+    while n < longest:
+        lengths.add(n)
+        n *= 2
+    lengths.add(longest)
+    groups = [(1, n) for n in sorted(x for x in lengths if 0 < x <= room)]
+    batch = min(max_running or MAX_BATCH, MAX_BATCH)
+    return groups + [(min(8, batch), min(MID, room)), (batch, min(SHORT, room))]
+
+
+async def dsv4_shapes(disaggregation_mode: str, tokenizer_manager) -> None:
+    """The warmup itself, as sglang's ``execute_warmups`` calls it."""
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    args = tokenizer_manager.server_args
+    groups = plan(tokenizer_manager.context_len, args.chunked_prefill_size, args.max_running_requests,
+                  getattr(tokenizer_manager, "num_reserved_tokens", 0))
+    vocab = tokenizer_manager.model_config.vocab_size
+    rng = random.Random(0)
+    paired = disaggregation_mode != "null"
+
+    async def one(tokens: int) -> None:
+        req = GenerateReqInput(input_ids=[rng.randrange(vocab) for _ in range(tokens)],
+                               sampling_params={"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True})
+        if paired:  # a PD server warms up without a peer, as upstream's own warmups do
+            req.bootstrap_room, req.bootstrap_host = 0, FAKE_BOOTSTRAP_HOST
+        async for _ in tokenizer_manager.generate_request(req, None):
+            pass
+
+    t0, sent = time.monotonic(), 0
+    for count, tokens in groups:
+        if paired:  # one room at a time: every fake request shares room 0
+            for _ in range(count):
+                await one(tokens)
+        else:
+            await asyncio.gather(*(one(tokens) for _ in range(count)))
+        sent += count
+    logger.info("dsv4-sm120: warmup %s served %d requests in %.1f s (prompts %s tokens)", NAME, sent,
+                time.monotonic() - t0, ", ".join(f"{c}x{t}" for c, t in groups))
+
+
+def offer_warmup(disaggregation_mode, warmup_names, tokenizer_manager):
+    """BEFORE hook on ``execute_warmups``: put ``dsv4_shapes`` in upstream's warmup registry, so
+    ``--warmups dsv4_shapes`` finds it; upstream runs the names it is given, unchanged."""
+    from sglang.srt.entrypoints import warmup
+
+    warmup._warmup_registry.setdefault(NAME, dsv4_shapes)
+    return None

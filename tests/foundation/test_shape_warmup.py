@@ -1,0 +1,72 @@
+"""``--warmups dsv4_shapes`` through upstream's own warmup runner, in a fresh process with the plugin loaded.
+
+The probe loads the plugins as ``sglang.launch_server`` does, imports the real HTTP server module (which binds
+``execute_warmups`` by name at import) and runs that binding with a recording tokenizer manager (test
+infrastructure: it answers every request at once). What the server would be sent is then checked: every
+prompt fits the context, the long ones reach past the top-k threshold and a few chunks, the last groups
+run concurrently, and a PD server's requests go to upstream's fake peer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+PROBE = textwrap.dedent(
+    """
+    import asyncio, json, sys, types
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.entrypoints import http_server
+
+    class RecordingTokenizerManager:
+        context_len, num_reserved_tokens = 8192, 0
+        server_args = types.SimpleNamespace(chunked_prefill_size=2048, max_running_requests=16)
+        model_config = types.SimpleNamespace(vocab_size=1000)
+        def __init__(self):
+            self.seen, self.open, self.most_open = [], 0, 0
+        async def generate_request(self, req, raw):
+            self.open += 1
+            self.most_open = max(self.most_open, self.open)
+            await asyncio.sleep(0)
+            self.seen.append({"tokens": len(req.input_ids), "max_id": max(req.input_ids),
+                              "new": req.sampling_params["max_new_tokens"], "host": req.bootstrap_host})
+            self.open -= 1
+            yield {}
+
+    out = {}
+    for mode in ("null", "prefill"):
+        tm = RecordingTokenizerManager()
+        asyncio.run(http_server.execute_warmups(mode, [sys.argv[1]], tm))
+        out[mode] = {"seen": tm.seen, "most_open": tm.most_open}
+    print("PROBE" + json.dumps(out))
+    """
+)
+
+
+def _probe(name: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_PLUGINS", "DSV4_SM120_"))}
+    proc = subprocess.run([sys.executable, "-c", PROBE, name], capture_output=True, text=True, env=env, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1][len("PROBE"):])
+
+
+def test_warmups_dsv4_shapes_serves_every_shape_before_the_server_is_up():
+    out = _probe("dsv4_shapes")
+    seen = out["null"]["seen"]
+    lengths = [r["tokens"] for r in seen]
+    assert seen and all(r["tokens"] + r["new"] < 8192 and r["max_id"] < 1000 for r in seen)
+    assert {128, 2048, 4096}.issubset(lengths) and max(lengths) == 8192 - 4 - 1  # past 4 x 512 keys, 4 chunks
+    assert lengths.count(128) >= 16 and out["null"]["most_open"] == 16  # a full batch at once
+    assert all(r["host"] is None for r in seen)
+    paired = out["prefill"]
+    assert paired["most_open"] == 1 and {r["host"] for r in paired["seen"]} == {"2.2.2.2"}
+
+
+def test_an_unknown_warmup_name_is_left_to_upstream():
+    out = _probe("no_such_warmup")
+    assert out["null"]["seen"] == [] and out["prefill"]["seen"] == []
