@@ -1,0 +1,26 @@
+"""``python -m bench.gpu_server.brief RUN.json``: the few lines of a run's JSON a person reads first (startup,
+error, and each set's headline figures), for a terminal that shows only the end of the output."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+HEADLINES = ("ratios", "decode", "prefill", "indexer_share", "outputs_vs_off", "storm_budget_s", "mismatch_lines",
+             "a_served", "b_fp8_equals_upstream", "e_first_over_steady")
+
+
+def brief(record: dict) -> dict:
+    results = record.get("results") or {}
+    out = {"set": record.get("set"), "wall_s": record.get("wall_s"), "error": (record.get("error") or "")[:1500],
+           "healthy_after_s": {n: s.get("healthy_after_s") for n, s in record.get("servers", {}).items()},
+           "dead_after_traffic": record.get("dead_after_traffic")}
+    out.update({k: results[k] for k in HEADLINES if k in results})
+    if "storms" in results:
+        out["storms"] = {n: {k: v for k, v in s.items() if k != "failed_waves"} | {"failed_waves": len(s.get("failed_waves", []))}
+                         for n, s in results["storms"].items()}
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(brief(json.loads(open(sys.argv[1]).read())), default=str)[:9000])
