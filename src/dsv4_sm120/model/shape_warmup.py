@@ -12,6 +12,10 @@ sglang runs the warmups named by ``--warmups`` in its HTTP process before it acc
 tokens up to a few prefill chunks (past that nothing new is met: every chunk is one more extend over a
 cached prefix), one batch of concurrent mid-size prompts and one full batch of short ones (decode at the
 largest running batch). Each request decodes a few tokens, so decode at that context runs too.
+
+The warmups run inside the window in which sglang's launcher waits for the HTTP app to answer (about 120 s;
+past it the launcher kills the server), so the warmup stops starting groups after ``BUDGET_S`` and says
+which shapes it left cold.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ SHORT, MID = 128, 1024
 MIN_LONGEST = 16384  # the longest prompt is at least this (within the context), at most a few chunks
 CHUNKS = 4
 MAX_BATCH = 64
+BUDGET_S = 80.0
 
 
 def plan(context_len: int, chunk: int | None, max_running: int | None, reserved: int = 0) -> list[tuple[int, int]]:
@@ -68,7 +73,11 @@ async def dsv4_shapes(disaggregation_mode: str, tokenizer_manager) -> None:
             pass
 
     t0, sent = time.monotonic(), 0
-    for count, tokens in groups:
+    for i, (count, tokens) in enumerate(groups):
+        if time.monotonic() - t0 > BUDGET_S:
+            logger.warning("dsv4-sm120: warmup %s stopped after %.0f s; left cold: %s", NAME, time.monotonic() - t0,
+                           ", ".join(f"{c}x{t}" for c, t in groups[i:]))
+            break
         if paired:  # one room at a time: every fake request shares room 0
             for _ in range(count):
                 await one(tokens)
