@@ -9,6 +9,7 @@ run concurrently, and a PD server's requests go to upstream's fake peer.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -24,11 +25,16 @@ PROBE = textwrap.dedent(
 
     class RecordingTokenizerManager:
         context_len, num_reserved_tokens = 8192, 0
+        refuse_from = 8186  # what the scheduler reports for this context: min(context - 1, pool - 1) - 5
         server_args = types.SimpleNamespace(chunked_prefill_size=2048, max_running_requests=16)
         model_config = types.SimpleNamespace(vocab_size=1000)
-        def __init__(self):
-            self.seen, self.open, self.most_open = [], 0, 0
+        def __init__(self, told):
+            self.max_req_input_len = self.refuse_from if told else None
+            self.seen, self.refused, self.open, self.most_open = [], [], 0, 0
         async def generate_request(self, req, raw):
+            if len(req.input_ids) >= self.refuse_from:  # as upstream's validation does
+                self.refused.append(len(req.input_ids))
+                raise ValueError("Input length exceeds the maximum allowed length")
             self.open += 1
             self.most_open = max(self.most_open, self.open)
             await asyncio.sleep(0)
@@ -38,15 +44,16 @@ PROBE = textwrap.dedent(
             yield {}
 
     out = {}
-    for mode in ("null", "prefill"):
-        tm = RecordingTokenizerManager()
+    for case, mode, told in (("null", "null", True), ("prefill", "prefill", True), ("limit_unknown", "null", False)):
+        tm = RecordingTokenizerManager(told)
         asyncio.run(http_server.execute_warmups(mode, [sys.argv[1]], tm))
-        out[mode] = {"seen": tm.seen, "most_open": tm.most_open}
+        out[case] = {"seen": tm.seen, "most_open": tm.most_open, "refused": tm.refused}
     print("PROBE" + json.dumps(out))
     """
 )
 
 
+@functools.lru_cache(maxsize=None)  # one fresh process per warmup name
 def _probe(name: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_PLUGINS", "DSV4_SM120_"))}
     proc = subprocess.run([sys.executable, "-c", PROBE, name], capture_output=True, text=True, env=env, timeout=300)
@@ -60,13 +67,20 @@ def test_warmups_dsv4_shapes_serves_every_shape_before_the_server_is_up():
     seen = out["null"]["seen"]
     lengths = [r["tokens"] for r in seen]
     assert seen and all(r["tokens"] + r["new"] < 8192 and r["max_id"] < 1000 for r in seen)
-    assert {128, 2048, 4096}.issubset(lengths) and max(lengths) == 8192 - 4 - 1  # past 4 x 512 keys, 4 chunks
+    assert {128, 2048, 4096}.issubset(lengths) and max(lengths) == 8185  # past 4 x 512 keys, 4 chunks, the limit
+    assert out["null"]["refused"] == []
     assert lengths.count(128) >= 16 and out["null"]["most_open"] == 16  # a full batch at once
     assert all(r["host"] is None for r in seen)
     paired = out["prefill"]
     assert paired["most_open"] == 1 and {r["host"] for r in paired["seen"]} == {"2.2.2.2"}
 
 
+def test_a_shape_the_server_refuses_stays_cold_and_the_rest_still_run():
+    out = _probe("dsv4_shapes")["limit_unknown"]
+    assert out["refused"] == [8192 - 4 - 1]
+    assert out["seen"][-1]["tokens"] == 128 and out["most_open"] == 16  # the groups after it ran
+
+
 def test_an_unknown_warmup_name_is_left_to_upstream():
     out = _probe("no_such_warmup")
-    assert out["null"]["seen"] == [] and out["prefill"]["seen"] == []
+    assert all(case["seen"] == [] for case in out.values())

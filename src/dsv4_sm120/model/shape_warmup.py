@@ -36,10 +36,14 @@ MAX_BATCH = 64
 BUDGET_S = 80.0
 
 
-def plan(context_len: int, chunk: int | None, max_running: int | None, reserved: int = 0) -> list[tuple[int, int]]:
+def plan(context_len: int, chunk: int | None, max_running: int | None, reserved: int = 0,
+         max_input: int | None = None) -> list[tuple[int, int]]:
     """The warmup's groups as (concurrent requests, prompt tokens), in the order they are sent; every prompt
-    with its new tokens fits the context (``reserved``: tokens the server adds to each prompt)."""
+    with its new tokens fits the context (``reserved``: tokens the server adds to each prompt) and stays under
+    the scheduler's own input limit (``max_input``: the pool or the context, less a margin)."""
     room = context_len - reserved - NEW_TOKENS - 1
+    if max_input:
+        room = min(room, max_input - 1)
     chunk = chunk if chunk and chunk > 0 else room
     longest = min(room, max(MIN_LONGEST, CHUNKS * chunk))
     lengths, n = {SHORT, MID}, 2048
@@ -59,7 +63,7 @@ async def dsv4_shapes(disaggregation_mode: str, tokenizer_manager) -> None:
 
     args = tokenizer_manager.server_args
     groups = plan(tokenizer_manager.context_len, args.chunked_prefill_size, args.max_running_requests,
-                  getattr(tokenizer_manager, "num_reserved_tokens", 0))
+                  getattr(tokenizer_manager, "num_reserved_tokens", 0), getattr(tokenizer_manager, "max_req_input_len", None))
     vocab = tokenizer_manager.model_config.vocab_size
     rng = random.Random(0)
     paired = disaggregation_mode != "null"
@@ -78,11 +82,16 @@ async def dsv4_shapes(disaggregation_mode: str, tokenizer_manager) -> None:
             logger.warning("dsv4-sm120: warmup %s stopped after %.0f s; left cold: %s", NAME, time.monotonic() - t0,
                            ", ".join(f"{c}x{t}" for c, t in groups[i:]))
             break
-        if paired:  # one room at a time: every fake request shares room 0
-            for _ in range(count):
-                await one(tokens)
-        else:
-            await asyncio.gather(*(one(tokens) for _ in range(count)))
+        try:
+            if paired:  # one room at a time: every fake request shares room 0
+                for _ in range(count):
+                    await one(tokens)
+            else:
+                await asyncio.gather(*(one(tokens) for _ in range(count)))
+        except Exception as exc:  # a shape the server refuses stays cold; the server still starts
+            logger.warning("dsv4-sm120: warmup %s: %dx%d tokens refused (%s: %s); that shape stays cold", NAME,
+                           count, tokens, type(exc).__name__, exc)
+            continue
         sent += count
     logger.info("dsv4-sm120: warmup %s served %d requests in %.1f s (prompts %s tokens)", NAME, sent,
                 time.monotonic() - t0, ", ".join(f"{c}x{t}" for c, t in groups))
