@@ -17,7 +17,8 @@ def brief(record: dict) -> dict:
            "dead_after_traffic": record.get("dead_after_traffic")}
     out.update({k: results[k] for k in HEADLINES if k in results})
     if "storms" in results:
-        out["storms"] = {n: {k: v for k, v in s.items() if k != "failed_waves"} | {"failed_waves": len(s.get("failed_waves", []))}
+        out["storms"] = {n: {k: v for k, v in s.items() if k not in ("failed_waves", "waves")}
+                         | {"failed_waves": len(s.get("failed_waves", []))}
                          for n, s in results["storms"].items()}
     return out
 

@@ -20,8 +20,9 @@ import pytest
 from bench.gpu_server import models, scenarios, traffic
 
 
-def _serve(tokens_of, topk_of):
+def _serve(tokens_of, topk_of, stall_after=None):
     calls = {"n": 0}
+    stalled = threading.Event()
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
@@ -42,6 +43,9 @@ def _serve(tokens_of, topk_of):
                 self.send_response(200)
                 self.end_headers()
                 self.wfile.write(b"data: {}\n\n")
+                return
+            if stall_after is not None and calls["n"] >= stall_after:  # a scheduler that stopped making progress
+                stalled.wait(5)
                 return
             calls["n"] += 1
             if isinstance(body["input_ids"][0], int):
@@ -173,6 +177,27 @@ def test_hicache_storm_compares_waves_with_hicache_off_and_reads_the_counters(mo
     assert storm["metrics"]["index_k_pages_checked_total"] == 48.0 * 4  # 4 waves answered during the storm
     assert res["outputs_vs_off"]["hc_kernel_layer_first"] == {"equal": 16, "compared": 16}
     assert res["outputs_vs_off"]["hc_direct"]["equal"] == 0
+
+
+def test_a_server_that_stalls_mid_storm_is_named_and_its_answered_waves_still_compared(monkeypatch):
+    from bench.gpu_server import hicache
+
+    for name, value in (("SESSIONS", 8), ("GROUPS", 4), ("ROUNDS", 2), ("WAVE", 4), ("PREFIX_TOKENS", 100),
+                        ("CANCEL_EVERY_S", 0.01), ("WAVE_TIMEOUT_S", 1.0)):
+        monkeypatch.setattr(hicache, name, value)
+    started = {"hc_kernel_layer_first": _serve(_tokens(0), _topk(0)),
+               "off": _serve(_tokens(0), _topk(0), stall_after=2)}
+    try:
+        urls = {name: url for name, (_, url) in started.items()}
+        res = hicache.run(urls, {name: (lambda: "") for name in urls})
+    finally:
+        for server, _ in started.values():
+            server.shutdown()
+    off = res["storms"]["off"]
+    assert off["stalled"] == {"round": 1, "wave": 0, "after_s": off["stalled"]["after_s"]}  # 2 waves a round
+    assert off["waves_answered"] == 2 and off["metrics"]["index_k_pages_checked_total"] == 96.0
+    assert res["storms"]["hc_kernel_layer_first"]["waves_answered"] == 4
+    assert res["outputs_vs_off"]["hc_kernel_layer_first"] == {"equal": 8, "compared": 8}
 
 
 def test_the_fault_plugin_is_found_by_sglangs_plugin_group_only_on_its_path():
