@@ -12,6 +12,9 @@ On the GPU host, one upload per part, then once::
     python -m bench.gpu_server unpack --finish --stage /tmp/dsv4-bundle
     . /tmp/dsv4-bundle/root/env.sh
 
+Between GPU hosts, ``cache save --out DIR`` and ``cache load DIR/jit_cache.tar.xz.*`` carry the JIT caches
+(a warm cache saves minutes of kernel compiles per server start).
+
 Each subcommand imports its module only when chosen: ``unpack`` runs on the GPU host's bare Python
 before anything is installed, so nothing it reaches may import more than the standard library.
 """
@@ -69,6 +72,13 @@ def parser() -> argparse.ArgumentParser:
                                                    "distributions the bundle leaves to the image")
     rh.add_argument("--python", default=sys.executable, help="the interpreter to rehearse with (the bundle's)")
 
+    jc = sub.add_parser("cache", help="carry the GPU host's JIT caches to the next host (bench/gpu_server/jit_cache.py)")
+    jc.add_argument("action", choices=("save", "load"))
+    jc.add_argument("parts", nargs="*", type=Path, help="with load, right after it: the jit_cache.tar.xz.NN files of one save")
+    jc.add_argument("--cache-root", type=Path, default=None, help="default $DSV4_CACHE_ROOT or STAGE/cache")
+    jc.add_argument("--out", type=Path, default=Path("."), help="with save: where the parts go")
+    jc.add_argument("--part-mb", type=float, default=15.0, help="with save: largest part, in MiB; default 15")
+
     sub.add_parser("run", help="serve and measure on the GPU host (bench/gpu_server/run.py)", add_help=False)
     return p
 
@@ -98,6 +108,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.part:
             return bundle.add_part(args.part, args.stage)
         return bundle.finish(args.stage, args.cache_root, args.host_site, force=args.force)
+    if args.command == "cache":
+        from bench.gpu_server import jit_cache
+
+        root = args.cache_root or jit_cache.default_root()
+        if args.action == "save":
+            for part in jit_cache.save(root, args.out, args.part_mb):
+                print(f"{part} {part.stat().st_size / (1 << 20):.1f} MiB")
+            return 0
+        if not args.parts:
+            print("cache load: name the jit_cache.tar.xz.NN files", file=sys.stderr)
+            return 2
+        print(f"{jit_cache.load(args.parts, root)} cache files into {root}")
+        return 0
     from bench.gpu_server import rehearse
 
     return rehearse.main(args.stage, args.image_packages, args.from_venv, args.python, args.bundle)

@@ -272,3 +272,22 @@ def test_arch_and_flags_choose_what_is_carried(venv, tmp_path):
     lean, _ = pack.select(venv, (90,), tmp_path, triton=False, tilelang=False)
     assert "triton" in lean.image and {"tilelang", "z3-solver"} <= set(lean.dropped)
     assert not {"triton", "tilelang", "z3-solver"} & set(lean.carried)
+
+
+def test_jit_cache_save_splits_within_the_size_and_load_puts_every_file_back(tmp_path):
+    import os
+
+    from bench.gpu_server import __main__ as cli
+
+    root = tmp_path / "cache"
+    for i in range(3):
+        (root / "triton" / f"k{i}").mkdir(parents=True)
+        (root / "triton" / f"k{i}" / "kernel.cubin").write_bytes(os.urandom(300_000))  # incompressible
+    assert cli.main(["cache", "save", "--cache-root", str(root), "--out", str(tmp_path / "out"), "--part-mb", "0.25"]) == 0
+    parts = sorted((tmp_path / "out").iterdir())
+    assert len(parts) >= 4 and all(p.stat().st_size <= 0.25 * (1 << 20) for p in parts)
+    fresh = tmp_path / "fresh"
+    assert cli.main(["cache", "load", *map(str, reversed(parts)), "--cache-root", str(fresh)]) == 0
+    for i in range(3):
+        rel = f"triton/k{i}/kernel.cubin"
+        assert (fresh / rel).read_bytes() == (root / rel).read_bytes()
