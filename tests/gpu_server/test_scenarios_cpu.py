@@ -155,23 +155,24 @@ def test_cost_visits_every_server_in_abba_order_and_reads_a_profile(monkeypatch,
     assert shares["logits_share"] == 0.3 and shares["topk_share"] == 0.1 and shares["kernel_us"] == 100.0
 
 
-def test_hicache_storm_compares_waves_with_hicache_off_and_reads_the_counters(monkeypatch):
+def _small_storm(monkeypatch, started: dict, **sizes) -> dict:
+    """``hicache.run`` over stand-in servers (name -> (server, url)) with a storm small enough for a CPU."""
     from bench.gpu_server import hicache
 
-    monkeypatch.setattr(hicache, "SESSIONS", 8)
-    monkeypatch.setattr(hicache, "GROUPS", 4)
-    monkeypatch.setattr(hicache, "ROUNDS", 2)
-    monkeypatch.setattr(hicache, "WAVE", 4)
-    monkeypatch.setattr(hicache, "PREFIX_TOKENS", 100)
-    monkeypatch.setattr(hicache, "CANCEL_EVERY_S", 0.01)
-    started = {"hc_kernel_layer_first": _serve(_tokens(0), _topk(0)), "off": _serve(_tokens(0), _topk(0)),
-               "hc_direct": _serve(_tokens(3), _topk(0))}
+    for name, value in {"SESSIONS": 8, "GROUPS": 4, "ROUNDS": 2, "WAVE": 4, "PREFIX_TOKENS": 100,
+                        "CANCEL_EVERY_S": 0.01, **sizes}.items():
+        monkeypatch.setattr(hicache, name, value)
     try:
         urls = {name: url for name, (_, url) in started.items()}
-        res = hicache.run(urls, {name: (lambda: "") for name in urls})
+        return hicache.run(urls, {name: (lambda: "") for name in urls})
     finally:
         for server, _ in started.values():
             server.shutdown()
+
+
+def test_hicache_storm_compares_waves_with_hicache_off_and_reads_the_counters(monkeypatch):
+    res = _small_storm(monkeypatch, {"hc_kernel_layer_first": _serve(_tokens(0), _topk(0)),
+                                     "off": _serve(_tokens(0), _topk(0)), "hc_direct": _serve(_tokens(3), _topk(0))})
     storm = res["storms"]["hc_kernel_layer_first"]
     assert storm["requests"] == 16 and storm["failed_waves"] == []
     assert storm["metrics"]["index_k_pages_checked_total"] == 48.0 * 4  # 4 waves answered during the storm
@@ -180,19 +181,8 @@ def test_hicache_storm_compares_waves_with_hicache_off_and_reads_the_counters(mo
 
 
 def test_a_server_that_stalls_mid_storm_is_named_and_its_answered_waves_still_compared(monkeypatch):
-    from bench.gpu_server import hicache
-
-    for name, value in (("SESSIONS", 8), ("GROUPS", 4), ("ROUNDS", 2), ("WAVE", 4), ("PREFIX_TOKENS", 100),
-                        ("CANCEL_EVERY_S", 0.01), ("WAVE_TIMEOUT_S", 1.0)):
-        monkeypatch.setattr(hicache, name, value)
-    started = {"hc_kernel_layer_first": _serve(_tokens(0), _topk(0)),
-               "off": _serve(_tokens(0), _topk(0), stall_after=2)}
-    try:
-        urls = {name: url for name, (_, url) in started.items()}
-        res = hicache.run(urls, {name: (lambda: "") for name in urls})
-    finally:
-        for server, _ in started.values():
-            server.shutdown()
+    res = _small_storm(monkeypatch, {"hc_kernel_layer_first": _serve(_tokens(0), _topk(0)),
+                                     "off": _serve(_tokens(0), _topk(0), stall_after=2)}, WAVE_TIMEOUT_S=1.0)
     off = res["storms"]["off"]
     assert off["stalled"] == {"round": 1, "wave": 0, "after_s": off["stalled"]["after_s"]}  # 2 waves a round
     assert off["waves_answered"] == 2 and off["metrics"]["index_k_pages_checked_total"] == 96.0
