@@ -19,11 +19,10 @@ import subprocess
 import sys
 import tarfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.gpu_server import hicache, scenarios
-from bench.gpu_server.servers import Started, launch_line, log_tail, start
+from bench.gpu_server.servers import Started, launch_line, log_tail, start, wait_healthy
 
 SETS = {"serve": (scenarios.serve_specs, scenarios.run_serve), "cost": (scenarios.cost_specs, scenarios.run_cost),
         "hicache": (hicache.specs, hicache.run)}
@@ -59,17 +58,6 @@ def host_facts() -> dict:
 
 def _stop_on_sigterm(signum, frame):
     raise SystemExit(f"stopped by signal {signum}")
-
-
-def _wait_all(started: list[Started], timeout: float) -> None:
-    """Until every server answers /health_generate; the first to die or time out raises with its log tail."""
-    def one(s: Started) -> None:
-        s.proc.wait_ready("/health_generate", timeout)
-        s.healthy_after_s = round(time.monotonic() - s.started_at, 1)
-
-    with ThreadPoolExecutor(len(started)) as pool:
-        for fut in [pool.submit(one, s) for s in started]:
-            fut.result()
 
 
 def _keep_logs(log_dir: Path, out_dir: Path) -> None:
@@ -108,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     try:
         started = [start(s, args.bundle / "models", log_dir) for s in specs]
-        _wait_all(started, args.startup_timeout)
+        wait_healthy(started, args.startup_timeout)
         record["servers"] = {s.spec.name: {"launch": launch_line(s), "healthy_after_s": s.healthy_after_s}
                              for s in started}
         urls = {s.spec.name: s.url for s in started}
