@@ -8,6 +8,7 @@ import sys
 
 HEADLINES = ("ratios", "decode", "prefill", "indexer_share", "outputs_vs_off", "storm_budget_s", "mismatch_lines",
              "a_served", "b_fp8_equals_upstream", "e_first_over_steady")
+PD_SCENARIOS = ("a_abort_storm", "b_hostile_frames", "c_pd_checksum", "d_decode_killed", "b_hostile_frames_hardening_off")
 
 
 def brief(record: dict) -> dict:
@@ -16,6 +17,7 @@ def brief(record: dict) -> dict:
            "healthy_after_s": {n: s.get("healthy_after_s") for n, s in record.get("servers", {}).items()},
            "dead_after_traffic": record.get("dead_after_traffic")}
     out.update({k: results[k] for k in HEADLINES if k in results})
+    out.update({n: {k: v for k, v in results[n].items() if k != "metric_deltas"} for n in PD_SCENARIOS if n in results})
     if "storms" in results:
         out["storms"] = {n: {k: v for k, v in s.items() if k not in ("failed_waves", "waves")}
                          | {"failed_waves": len(s.get("failed_waves", []))}

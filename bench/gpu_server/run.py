@@ -6,6 +6,8 @@ of its memory), waits until each answers ``/health_generate``, sends the scenari
 a time, stops every process it started (by process group, also on errors and Ctrl-C) and writes one JSON:
 date, device, commit, the versions that ran, each server's exact launch line and environment, start-up
 times, what (if anything) was replaced, and the scenario's figures. Server logs are kept in ``--logs``.
+The ``pd`` set starts and stops its own processes (a router after its pair, a decode killed and started
+again, a second pair with a fix off) and fills the same record.
 """
 
 from __future__ import annotations
@@ -19,14 +21,15 @@ import subprocess
 import sys
 import tarfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.gpu_server import hicache, scenarios
-from bench.gpu_server.servers import Started, launch_line, log_tail, start
+from bench.gpu_server import hicache, pd, scenarios
+from bench.gpu_server.servers import Started, launch_line, log_tail, start, wait_healthy
 
 SETS = {"serve": (scenarios.serve_specs, scenarios.run_serve), "cost": (scenarios.cost_specs, scenarios.run_cost),
         "hicache": (hicache.specs, hicache.run)}
+# Sets that start their own processes: run(models_root, log_dir, startup_timeout, servers record, results)
+OWN_PROCESSES = {"pd": pd.run}
 VERSIONS_PY = (
     "import json, importlib.metadata as m\n"
     "names = ['torch', 'triton', 'sglang', 'sglang-kernel', 'sgl-kernel', 'sgl-deep-gemm', 'deep-gemm',\n"
@@ -61,17 +64,6 @@ def _stop_on_sigterm(signum, frame):
     raise SystemExit(f"stopped by signal {signum}")
 
 
-def _wait_all(started: list[Started], timeout: float) -> None:
-    """Until every server answers /health_generate; the first to die or time out raises with its log tail."""
-    def one(s: Started) -> None:
-        s.proc.wait_ready("/health_generate", timeout)
-        s.healthy_after_s = round(time.monotonic() - s.started_at, 1)
-
-    with ThreadPoolExecutor(len(started)) as pool:
-        for fut in [pool.submit(one, s) for s in started]:
-            fut.result()
-
-
 def _keep_logs(log_dir: Path, out_dir: Path) -> None:
     """The run's server logs as one xz tar beside the JSON (a GPU host may give back only a few files)."""
     with tarfile.open(out_dir / f"{log_dir.name}.tar.xz", "w:xz") as tar:
@@ -81,7 +73,9 @@ def _keep_logs(log_dir: Path, out_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_server run", description=__doc__.splitlines()[0])
-    ap.add_argument("set", choices=sorted(SETS), help="serve: scenarios a, b, e, f (tiny); cost: scenario c (flash12); hicache: the HiCache storm")
+    ap.add_argument("set", choices=sorted(SETS | OWN_PROCESSES),
+                    help="serve: scenarios a, b, e, f (tiny); cost: scenario c (flash12); hicache: the HiCache storm; "
+                         "pd: a prefill/decode pair over NIXL behind the PD router under the PD scenarios (tiny)")
     ap.add_argument("--bundle", type=Path, default=Path(os.environ.get("DSV4_BUNDLE_ROOT", "/tmp/dsv4-bundle/root")),
                     help="the unpacked bundle (its models/ holds the checkpoints)")
     ap.add_argument("--out", type=Path, required=True, help="the JSON to write")
@@ -93,8 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     signal.signal(signal.SIGTERM, _stop_on_sigterm)  # a bounded run still stops its servers and writes its JSON
-    make_specs, run_set = SETS[args.set]
-    specs = [s for s in make_specs() if not args.only or s.name in args.only.split(",")]
     log_dir = args.logs or args.out.parent / f"logs_{args.set}"
     log_dir.mkdir(parents=True, exist_ok=True)
     record = {
@@ -107,15 +99,21 @@ def main(argv: list[str] | None = None) -> int:
     started: list[Started] = []
     t0 = time.monotonic()
     try:
-        started = [start(s, args.bundle / "models", log_dir) for s in specs]
-        _wait_all(started, args.startup_timeout)
-        record["servers"] = {s.spec.name: {"launch": launch_line(s), "healthy_after_s": s.healthy_after_s}
-                             for s in started}
-        urls = {s.spec.name: s.url for s in started}
-        logs = {s.spec.name: (lambda p=s.proc.log: p.read_text(errors="replace")) for s in started}
         record["results"] = {}
-        run_set(urls, logs, log_dir / "work", record["results"])
-        record["dead_after_traffic"] = [s.spec.name for s in started if not s.proc.alive()]
+        if args.set in OWN_PROCESSES:
+            OWN_PROCESSES[args.set](args.bundle / "models", log_dir, args.startup_timeout, record["servers"],
+                                    record["results"])
+        else:
+            make_specs, run_set = SETS[args.set]
+            specs = [s for s in make_specs() if not args.only or s.name in args.only.split(",")]
+            started = [start(s, args.bundle / "models", log_dir) for s in specs]
+            wait_healthy(started, args.startup_timeout)
+            record["servers"] = {s.spec.name: {"launch": launch_line(s), "healthy_after_s": s.healthy_after_s}
+                                 for s in started}
+            urls = {s.spec.name: s.url for s in started}
+            logs = {s.spec.name: (lambda p=s.proc.log: p.read_text(errors="replace")) for s in started}
+            run_set(urls, logs, log_dir / "work", record["results"])
+            record["dead_after_traffic"] = [s.spec.name for s in started if not s.proc.alive()]
     except (Exception, SystemExit) as exc:  # the JSON says what failed; the logs are kept either way
         record["error"] = f"{type(exc).__name__}: {exc}"
         record["log_tails"] = {s.spec.name: log_tail(s.proc.log, 80) for s in started}

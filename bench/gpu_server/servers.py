@@ -12,32 +12,43 @@ run adds beyond that is here, in :data:`BASE_ENV` and :func:`ServerSpec.argv`, w
   leaves out sglang's rust radix-tree extension and flashinfer (neither is DSV4-specific; upstream's
   python radix tree and pytorch sampling are its own implementations of the same steps).
 - ``--load-format dummy --skip-tokenizer-init``: the checkpoints are config-only (``models.py``) and
-  requests carry token ids.
+  requests carry token ids. A spec with a ``tokenizer`` gets ``--tokenizer-path`` instead (the ``pd`` set,
+  whose clients are the CPU end-to-end suite's chat clients).
 
 Processes are started and stopped through ``tests/e2e/servers.py`` (free loopback ports, own session,
-bounded start and stop by PID, logs kept), the same code the CPU end-to-end suite uses; it is loaded by
-its path, so that a package named ``tests`` installed on a GPU host's image cannot stand in for it.
+bounded start and stop by PID, logs kept), the same code the CPU end-to-end suite uses. It and its
+siblings are loaded from their folder (:func:`e2e`), so that a package named ``tests``, ``servers`` or
+``checks`` installed on a GPU host's image cannot stand in for them.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+E2E_DIR = Path(__file__).resolve().parents[2] / "tests" / "e2e"
 
-def _load_e2e_servers():
-    path = Path(__file__).resolve().parents[2] / "tests" / "e2e" / "servers.py"
-    spec = importlib.util.spec_from_file_location("dsv4_e2e_servers", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
+
+def e2e(name: str):
+    """The CPU end-to-end suite's module ``tests/e2e/<name>.py``, imported under its own name as that suite
+    imports it (its siblings import each other as ``servers``, ``checks``, ...), from that folder only."""
+    sys.path.insert(0, str(E2E_DIR))
+    try:
+        module = importlib.import_module(name)
+    finally:
+        sys.path.remove(str(E2E_DIR))
+    if Path(module.__file__).resolve().parent != E2E_DIR:
+        raise ImportError(f"{name!r} is {module.__file__}, not the e2e suite's {E2E_DIR / name}.py: "
+                          f"a module of that name was imported before")
     return module
 
 
-processes = _load_e2e_servers()
+processes = e2e("servers")
 LOOPBACK, Proc, free_port, log_tail = processes.LOOPBACK, processes.Proc, processes.free_port, processes.log_tail
 
 BASE_ENV = {
@@ -83,6 +94,7 @@ class ServerSpec:
     chunked_prefill: int = 8192
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict = field(default_factory=dict)
+    tokenizer: Path | None = None  # --tokenizer-path; None: --skip-tokenizer-init, requests carry token ids
 
     def env(self) -> dict:
         """The variables this server sets on top of the GPU host's environment."""
@@ -100,7 +112,7 @@ class ServerSpec:
         args = [
             sys.executable, "-m", "sglang.launch_server",
             "--model-path", str(models_root / self.model), "--model-impl", self.impl,
-            "--load-format", "dummy", "--skip-tokenizer-init", "--tp", "1",
+            "--load-format", "dummy", "--tp", "1",
             "--host", LOOPBACK, "--port", str(port),
             "--mem-fraction-static", str(self.mem_fraction), "--max-total-tokens", str(self.max_total_tokens),
             "--context-length", str(self.context_length), "--max-running-requests", str(self.max_running),
@@ -108,6 +120,7 @@ class ServerSpec:
             "--sampling-backend", "pytorch", "--grammar-backend", "none", "--random-seed", "0",
             "--enable-metrics", "--cuda-graph-backend-prefill", "disabled",
         ]
+        args += ["--tokenizer-path", str(self.tokenizer)] if self.tokenizer else ["--skip-tokenizer-init"]
         if self.impl == "dsv4":  # the package's servers warm every shape up before they report healthy
             args += ["--warmups", "dsv4_shapes"]
         if self.graphs:
@@ -132,13 +145,22 @@ class Started:
 
 def start(spec: ServerSpec, models_root: Path, log_dir: Path) -> Started:
     """Start ``spec`` on a free loopback port; its log goes to ``log_dir/<name>.log``."""
-    import time
-
     port = free_port()
     env = spec.env()
     proc = Proc(spec.name, spec.argv(models_root, port), Path(log_dir) / f"{spec.name}.log", f"http://{LOOPBACK}:{port}")
     proc.start({**os.environ, **env})
     return Started(spec, proc, env, started_at=time.monotonic())
+
+
+def wait_healthy(started: list[Started], timeout: float) -> None:
+    """Until every server answers /health_generate; the first to die or time out raises with its log tail."""
+    def one(s: Started) -> None:
+        s.proc.wait_ready("/health_generate", timeout)
+        s.healthy_after_s = round(time.monotonic() - s.started_at, 1)
+
+    with ThreadPoolExecutor(len(started)) as pool:
+        for fut in [pool.submit(one, s) for s in started]:
+            fut.result()
 
 
 def launch_line(s: Started) -> str:

@@ -96,13 +96,7 @@ def start_pd(env: E2EEnv, model: Path, log_dir: Path, tp: int = 1, switches: dic
     decode = servers.add(_sglang(env, f"decode{tag}", log_dir, free_port(), model, tp,
                                  ["--disaggregation-mode", "decode", *pd,
                                   "--disaggregation-decode-retraction-backup", "cpu_tensor", *(extra_decode or [])]))
-    router_port = free_port()
-    router = Proc(f"router{tag}", [str(env.python), "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                                   "--prefill", prefill.url, str(boot), "--decode", decode.url,
-                                   "--host", LOOPBACK, "--port", str(router_port),
-                                   "--prometheus-host", LOOPBACK, "--prometheus-port", str(free_port()),
-                                   *(router_args or [])],
-                  log_dir / f"router{tag}.log", f"http://{LOOPBACK}:{router_port}")
+    router = pd_router(env.python, prefill, decode, boot, log_dir, tag, router_args)
     try:
         cpu_env = server_env(env, tp, switches)
         # Decode ranks take the cores after the prefill's (the machine may have fewer: they wrap).
@@ -120,6 +114,17 @@ def start_pd(env: E2EEnv, model: Path, log_dir: Path, tp: int = 1, switches: dic
         raise
     return Cluster(servers, router.url, prefill=prefill, decode=decode, router=router, bootstrap_port=boot, tp=tp,
                    switches=dict(switches or {}))
+
+
+def pd_router(python, prefill: Proc, decode: Proc, bootstrap_port: int, log_dir: Path, tag: str = "",
+              args: list | None = None) -> Proc:
+    """The PD router in front of one prefill and one decode, on loopback (not started yet)."""
+    port = free_port()
+    return Proc(f"router{tag}", [str(python), "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                                 "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url,
+                                 "--host", LOOPBACK, "--port", str(port),
+                                 "--prometheus-host", LOOPBACK, "--prometheus-port", str(free_port()), *(args or [])],
+                log_dir / f"router{tag}.log", f"http://{LOOPBACK}:{port}")
 
 
 def chat(front: str, text: str = "hello world", max_tokens: int = 8, timeout: float = 60) -> tuple[int, bytes]:

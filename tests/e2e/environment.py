@@ -53,9 +53,14 @@ class E2EEnv:
     site_packages: Path
     steps: list = field(default_factory=list)  # (dsv4-sm120 command, exit status, stdout) run from the wheel
 
+    @property
+    def cli_argv(self) -> list[str]:
+        """``dsv4-sm120``: the installed wheel's console script."""
+        return [str(self.bin / "dsv4-sm120")]
+
     def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        """``dsv4-sm120 ARGS`` from the installed wheel's console script."""
-        return subprocess.run([str(self.bin / "dsv4-sm120"), *args], capture_output=True, text=True, timeout=timeout)
+        """``dsv4-sm120 ARGS``, run to its end."""
+        return subprocess.run([*self.cli_argv, *args], capture_output=True, text=True, timeout=timeout)
 
 
 def _link_tree(src: Path, dst: Path) -> None:

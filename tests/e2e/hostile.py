@@ -4,17 +4,26 @@ The socket is found the way the decode finds it: ``GET /route`` on the prefill's
 bootstrap HTTP server answers each rank's ``rank_ip``/``rank_port``
 (``disaggregation/common/conn.py`` ~L2700). The frames are built from the
 pin's own constants (``GUARD``, ``ABORT_TAG``) so they stay aimed at its parser.
+:func:`during_traffic` is scenario (b) as one call, shared by the CPU test and the
+GPU host's ``pd`` set (``bench/gpu_server/pd.py``).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import time
 
 import numpy as np
 import zmq
 
+import checks
+import scrape
 from servers import LOOPBACK, http
+from traffic import Traffic, burst
+
+# Seconds of chats through the front before the frames, and after them before the chats stop.
+TRAFFIC_BEFORE_S, TRAFFIC_AFTER_S = 2.0, 3.0
 
 
 def rank_endpoints(bootstrap_port: int, tp: int) -> list[str]:
@@ -67,3 +76,29 @@ def send(endpoint: str, batch: list[list[bytes]]) -> None:
             sock.send_multipart(frame)
     finally:
         sock.close()
+
+
+def rejected(cluster) -> dict[str, float]:
+    """The prefill's refusals so far, by reason (``sglang:dsv4_nixl_frames_rejected_total``)."""
+    return scrape.by_label(scrape.metrics(cluster.prefill.url), "sglang:dsv4_nixl_frames_rejected_total", "reason")
+
+
+def during_traffic(cluster, batches: list[list[list[bytes]]], timeout: float = 60.0) -> dict:
+    """Every batch to every prefill rank while chats flow through the front, then 8 chats at once (each chat
+    bounded by ``timeout`` seconds): what was served during and after, the refusals by reason, the dsv4
+    counters' deltas, health and the bootstrap threads alive."""
+    endpoints = rank_endpoints(cluster.bootstrap_port, cluster.tp)
+    before, rejected_before = checks.dsv4_counters(cluster), rejected(cluster)
+    with Traffic(cluster.front, timeout=timeout) as flow:
+        time.sleep(TRAFFIC_BEFORE_S)
+        for batch in batches:
+            for endpoint in endpoints:
+                send(endpoint, batch)
+        time.sleep(TRAFFIC_AFTER_S)
+    later = burst(cluster.front, 8, timeout=timeout)
+    refused = {k: v - rejected_before.get(k, 0.0) for k, v in rejected(cluster).items()}
+    after = checks.dsv4_counters(cluster)
+    return {"during_traffic_ok": flow.ok, "during_traffic_failed": flow.failed, "later_requests": later,
+            "rejected_by_reason": refused, "health": checks.health(cluster),
+            "metric_deltas": checks.delta(before, after),
+            "bootstrap_threads_alive": after.get("sglang:dsv4_nixl_bootstrap_threads_alive")}

@@ -20,7 +20,7 @@ from storm import run_and_check
 
 
 def test_abort_storm_through_the_router_recovers_and_leaks_nothing(pd, e2e_env, tmp_path, record):
-    run_and_check(e2e_env, pd, tmp_path, record, fix=results.suite_fix())
+    run_and_check(e2e_env.cli_argv, pd, tmp_path, record, fix=results.suite_fix())
 
 
 @pytest.mark.e2e
@@ -28,6 +28,6 @@ def test_abort_storm_through_the_router_recovers_and_leaks_nothing(pd, e2e_env, 
 def test_abort_storm_at_tp2(clusters, e2e_env, tmp_path, record):
     tp2 = clusters("pd-tp2", tp=2, tag="-tp2")
     try:
-        run_and_check(e2e_env, tp2, tmp_path, record, fix=results.suite_fix())
+        run_and_check(e2e_env.cli_argv, tp2, tmp_path, record, fix=results.suite_fix())
     finally:
         clusters.discard("pd-tp2")  # nothing else uses it: free the cores

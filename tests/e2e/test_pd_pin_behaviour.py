@@ -34,7 +34,7 @@ def pin_set(clusters):
 @pytest.mark.e2e
 @pytest.mark.timeout(1800)  # a set of its own to start: minutes on a loaded 2-core machine
 def test_abort_storm_on_the_pin_bootstrap_thread(pin_set, e2e_env, tmp_path, record):
-    run_and_check(e2e_env, pin_set, tmp_path, record, fix=FIX)
+    run_and_check(e2e_env.cli_argv, pin_set, tmp_path, record, fix=FIX)
 
 
 @pytest.mark.e2e

@@ -27,8 +27,6 @@ _CORPUS = [
 
 def write_tiny_llama(dirpath: Path) -> Path:
     """Write config.json, tokenizer.json and tokenizer_config.json into ``dirpath``; return it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     dirpath.mkdir(parents=True, exist_ok=True)
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -50,19 +48,30 @@ def write_tiny_llama(dirpath: Path) -> Path:
         "torch_dtype": "bfloat16",
     }
     (dirpath / "config.json").write_text(json.dumps(config, indent=1))
+    write_tokenizer(dirpath, {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"})
+    (dirpath / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    return dirpath
+
+
+def write_tokenizer(dirpath: Path, named: dict[str, str], more_special: tuple[str, ...] = ()) -> None:
+    """tokenizer.json and tokenizer_config.json of a byte-level BPE of at most VOCAB ids trained on _CORPUS.
+
+    ``named`` (``bos_token``: spelling, ...) then ``more_special`` are its special tokens, with the first ids
+    in that order, so a model config can name them by id.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    dirpath.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    special = ["<unk>", "<s>", "</s>", "<pad>"]
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=special,
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=[*named.values(), *more_special],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_CORPUS, trainer)
     tok.save(str(dirpath / "tokenizer.json"))
     (dirpath / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
+        **named,
         "model_max_length": 8192,
         "chat_template": CHAT_TEMPLATE,
     }, indent=1))
-    (dirpath / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    return dirpath

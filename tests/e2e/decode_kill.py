@@ -1,0 +1,50 @@
+"""Scenario (e) as one call: ``kill -9`` of the whole decode server in the middle of a storm, then a new decode.
+
+Shared by the CPU test (``test_pd_decode_killed.py``) and the GPU host's ``pd`` set
+(``bench/gpu_server/pd.py``), each with its own storm-client options and bounds.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import checks
+from cluster import chat
+
+
+def kill_decode_mid_storm(cli: list[str], c, out_path, client: tuple, kill_after_s: float, startup_s: float,
+                          release_s: float = 150.0, storm_s: float = 120.0, serve_s: float = 180.0) -> dict:
+    """An 80-session storm (one round, storm-client options ``client``) by ``cli`` through the front; the decode
+    killed ``kill_after_s`` in; then, each wait bounded: the prefill letting go of everything (``release_s``),
+    the storm client's end (``storm_s``), the same decode started again (``startup_s``) and a chat through the
+    front (``serve_s``). The figures; nothing is asserted."""
+    storm = subprocess.Popen([*cli, "storm-client", "--base-url", c.front, "--model", "tiny", "--sessions", "80",
+                              "--rounds", "1", *client, "--out", str(out_path)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(kill_after_s)
+        c.decode.kill9()
+        killed_at = time.monotonic()
+        prefill_health = checks.health(c)["prefill"]
+        left = checks.settle(c, timeout=release_s, only=[c.prefill])
+        released_s = round(time.monotonic() - killed_at, 1)
+        log = c.prefill.log.read_text(errors="replace")
+        reasons = sorted({line.split("]", 1)[-1].strip()[:160] for line in log.splitlines()
+                          if "Failed" in line or "failed" in line or "abort" in line.lower()})[-8:]
+        storm.wait(storm_s)
+    finally:
+        if storm.poll() is None:
+            storm.kill()
+            storm.wait()
+    c.decode.start()
+    c.decode.wait_ready("/health", startup_s)
+    deadline, after = time.monotonic() + serve_s, 0
+    while time.monotonic() < deadline:
+        after = chat(c.front, timeout=30)[0]
+        if after == 200:
+            break
+        time.sleep(2)
+    return {"prefill_health_after_kill": prefill_health, "prefill_leftovers": left,
+            "prefill_released_after_s": released_s, "prefill_log_lines": reasons, "request_after_new_decode": after,
+            "health": checks.health(c), "leaks_end": checks.settle(c)}

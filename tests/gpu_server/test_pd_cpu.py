@@ -1,0 +1,129 @@
+"""The ``pd`` set's own code on the CPU, against stand-in processes, so a GPU host's time is not spent finding its bugs.
+
+No DeepSeek-V4 forward, NIXL transfer or PD router runs here: each server and router is ``pd_standin.py`` (test
+infrastructure), started with the launch line the set builds for the real one. What is real: ``run.py``'s
+``run pd`` from arguments to JSON, the pairs' launch lines and switches, the process handling (started at once,
+health, a router after its pair, ``kill -9`` of a decode and the same decode started again, every process
+stopped), the storm by the package's own ``storm-client``, the hostile frames over ZMQ to the socket the
+bootstrap server names, the e2e suite's checks, the scenarios' order, bounds and records. The tokenizer the
+servers get is checked against sglang's own DeepSeek-V4 chat encoding.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.gpu_server import pd, run
+from bench.gpu_server.servers import ServerSpec
+
+STANDIN = Path(__file__).resolve().parent / "pd_standin.py"
+
+
+@pytest.fixture
+def standins(monkeypatch):
+    """Every server and router of the set is a stand-in process; scenario sizes and waits are cut to seconds."""
+    real_argv, real_router = ServerSpec.argv, pd.cluster.pd_router
+
+    def argv(self, models_root, port):
+        return [sys.executable, str(STANDIN), *real_argv(self, models_root, port)[3:]]
+
+    def router(*a, **kw):
+        proc = real_router(*a, **kw)
+        proc.argv = [sys.executable, str(STANDIN), *proc.argv[3:]]
+        return proc
+
+    monkeypatch.setattr(ServerSpec, "argv", argv)
+    monkeypatch.setattr(pd.cluster, "pd_router", router)
+    monkeypatch.setattr(run, "host_facts", lambda: {"device": "CPU stand-ins"})
+    monkeypatch.setattr(pd.hostile, "frames", lambda rng: {"foreign tag": [[b"HELLO"]], "short": [[b"a", b"b"]]})
+    monkeypatch.setattr(pd.hostile, "TRAFFIC_BEFORE_S", 0.2)
+    monkeypatch.setattr(pd.hostile, "TRAFFIC_AFTER_S", 0.2)
+    monkeypatch.setattr(pd, "STORM_CLIENT", ("--cancel-after", "0.5", "--prompt-words", "5",
+                                             "--storm-max-tokens", "100", "--deadline", "5", "--probe-interval", "0.2"))
+    monkeypatch.setattr(pd, "KILL_CLIENT", ("--cancel-after", "1", "--prompt-words", "5", "--storm-max-tokens", "100",
+                                            "--deadline", "1"))
+    monkeypatch.setattr(pd, "KILL_AFTER_S", 0.5)
+    monkeypatch.setattr(pd, "LONG_REQUESTS", 4)
+    monkeypatch.setattr(pd, "HARDENING_OFF_TIMEOUT_S", 1.0)
+
+
+def test_run_pd_records_every_scenario_on_standins(standins, tmp_path):
+    t0 = time.monotonic()
+    out = tmp_path / "pd.json"
+    assert run.main(["pd", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"]) == 0
+    record = json.loads(out.read_text())
+    res, servers = record["results"], record["servers"]
+    assert list(res) == ["budget_s", "a_abort_storm", "b_hostile_frames", "c_pd_checksum", "d_decode_killed",
+                         "b_hostile_frames_hardening_off"]
+    assert not any("error" in r or "skipped" in r for r in res.values() if isinstance(r, dict)), res
+
+    storm = res["a_abort_storm"]
+    assert storm["verdict"] == "healthy" and len(storm["recovery_s"]) == 3 and storm["leaks"] == {}
+    assert storm["fresh_request_status"] == 200 and set(storm["health"].values()) == {200}
+    hostile = res["b_hostile_frames"]
+    assert hostile["later_requests"]["completed"] == 8 and hostile["rejected_by_reason"] == {"unknown tag": 2.0}
+    assert hostile["prefill_log_errors"] == []
+    checksum = res["c_pd_checksum"]
+    assert checksum["completed"] == 4
+    assert checksum["deltas"]["sglang:dsv4_index_k_pd_pages_checked_total"] == 24
+    assert checksum["deltas_since_serving"]["sglang:dsv4_index_k_pd_pages_checked_total"] > 24
+    killed = res["d_decode_killed"]
+    assert killed["prefill_health_after_kill"] == 200 and killed["request_after_new_decode"] == 200
+    assert killed["dead_after"] == [] and set(killed["health"].values()) == {200}
+    off = res["b_hostile_frames_hardening_off"]
+    assert off["fix"] == "DSV4_SM120_NIXL_HARDENING=0"
+    assert off["later_requests"]["completed"] == 0 and off["bootstrap_threads_alive"] == 0  # the stand-in's "wedge"
+    assert off["prefill_log_errors"] == ["Exception in thread bootstrap (stand-in): AssertionError"]
+
+    assert set(servers) == {"prefill", "decode", "router", "prefill_hardening_off", "decode_hardening_off",
+                            "router_hardening_off"}
+    for name in ("prefill", "decode", "prefill_hardening_off", "decode_hardening_off"):
+        line = servers[name]["launch"]
+        mode = name.split("_")[0]
+        assert f"--disaggregation-mode {mode}" in line and "--disaggregation-transfer-backend nixl" in line
+        assert "--model-impl dsv4" in line and "--tokenizer-path" in line and "--skip-tokenizer-init" not in line
+        assert "DSV4_SM120_INDEX_K_CHECKSUM=1" in line and "SGLANG_HOST_IP=127.0.0.1" in line
+        assert ("DSV4_SM120_NIXL_HARDENING=0" in line) == name.endswith("hardening_off")
+        assert servers[name]["healthy_after_s"] is not None
+    boot = {n: servers[n]["launch"].split("--disaggregation-bootstrap-port ")[1].split()[0] for n in servers
+            if not n.startswith("router")}
+    assert boot["prefill"] == boot["decode"] != boot["prefill_hardening_off"] == boot["decode_hardening_off"]
+    assert f" {boot['prefill']} --decode http://127.0.0.1:" in servers["router"]["launch"]
+    assert (tmp_path / "logs_pd.tar.xz").exists()
+    assert time.monotonic() - t0 < 60
+
+
+def test_a_scenario_that_raises_is_recorded_and_one_without_time_is_skipped():
+    pair = pd.Pair("", "default", [], pd.cluster.Cluster(pd.processes.ServerSet(), front=""))
+    out: dict = {}
+    pd._scenario(out, "a_abort_storm", pair, time.monotonic() + 1000, lambda res: res.update(x=1) or 1 / 0)
+    pd._scenario(out, "d_decode_killed", pair, time.monotonic() + 10, lambda res: res.update(ran=True))
+    assert out["a_abort_storm"]["x"] == 1 and out["a_abort_storm"]["error"].startswith("ZeroDivisionError")
+    assert "ran" not in out["d_decode_killed"] and "needs 150" in out["d_decode_killed"]["skipped"]
+
+
+def test_the_servers_tokenizer_renders_a_storm_prompt_past_2048_tokens_in_dsv4s_chat_encoding(tmp_path):
+    import argparse
+
+    from sglang.srt.parser.deepseek_recipe_renderer import IMAGE_TOKEN, DeepSeekRecipe
+    from transformers import AutoTokenizer
+
+    from bench.gpu_server import models
+    from dsv4_sm120.serving_bench import abort_storm
+
+    tok = AutoTokenizer.from_pretrained(str(pd.write_tokenizer(tmp_path / "tok")))
+    cfg = models.config("tiny")
+    assert (tok.bos_token_id, tok.eos_token_id) == (cfg["bos_token_id"], cfg["eos_token_id"])
+    assert pd.DSV4_IMAGE_TOKEN == IMAGE_TOKEN
+    recipe = DeepSeekRecipe.from_hf_tokenizer("dsv4", tok)  # what sglang builds at startup for a DeepseekV4 model
+    storm_args = argparse.Namespace(prompt_words=pd.PROMPT_WORDS, model="tiny", storm_max_tokens=8, ignore_eos=True)
+    for messages in (abort_storm._storm_payload(storm_args, 0, 1)["messages"],
+                     [{"role": "user", "content": pd.long_text(0)}]):
+        for thinking in (False, True):
+            ids = recipe.encode({"messages": messages, "thinking": thinking})
+            assert 2048 < len(ids) < 4096 and max(ids) < cfg["vocab_size"]
