@@ -7,6 +7,7 @@ same code (``storm.py``, ``hostile.py``, ``decode_kill.py``, ``checks.py``, load
 ``--model-impl dsv4`` servers of the ``tiny`` checkpoint on one GPU, whose KV and index-K pages NIXL moves between
 GPU buffers over UCX.
 
+First ``dsv4-sm120 patch apply`` and ``patch check --require-applied`` on the sglang the servers import.
 Servers: two pairs, started at once, each a prefill and a decode on the same GPU (``--disaggregation-transfer-backend
 nixl``, bf16 keys, eager: they start in a fraction of the time on a cold JIT cache) and, once both are healthy, its
 own PD router (``python -m sglang_router.launch_router --pd-disaggregation``). Every server has
@@ -202,11 +203,24 @@ def decode_killed(pair: Pair, work: Path, res: dict) -> None:
                                                  storm_s=KILL_STORM_S, serve_s=SERVE_AGAIN_S))
 
 
+def patch_sglang() -> dict:
+    """``dsv4-sm120 patch apply`` on the sglang these servers import (the collective guard lives in its overlap
+    loops), then ``patch check --require-applied``, as the README has an operator do before a PD launch."""
+    import subprocess
+
+    done = {}
+    for step in (["patch", "apply"], ["patch", "check", "--require-applied"]):
+        proc = subprocess.run(CLI + step, capture_output=True, text=True, timeout=120)
+        done[" ".join(step)] = {"returncode": proc.returncode, "tail": (proc.stdout + proc.stderr)[-800:]}
+    return done
+
+
 def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict, out: dict) -> None:
     """Start both pairs, serve the first, run the scenarios in order (``out`` filled as each ends), stop all;
     ``servers`` gets every launch line. A first pair that does not serve ends the run with its error."""
     work = log_dir / "work"
     work.mkdir(parents=True, exist_ok=True)
+    out["patch"] = patch_sglang()
     tokenizer = write_tokenizer(work / "tokenizer")
     pairs: list[Pair] = []
     waiting = ThreadPoolExecutor(2)

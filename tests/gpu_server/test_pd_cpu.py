@@ -40,6 +40,7 @@ def standins(monkeypatch):
     monkeypatch.setattr(ServerSpec, "argv", argv)
     monkeypatch.setattr(pd.cluster, "pd_router", router)
     monkeypatch.setattr(run, "host_facts", lambda: {"device": "CPU stand-ins"})
+    monkeypatch.setattr(pd, "patch_sglang", lambda: {"stand-in": "the patch command is tested on a copy of sglang"})
     monkeypatch.setattr(pd.hostile, "frames", lambda rng: {"foreign tag": [[b"HELLO"]], "short": [[b"a", b"b"]]})
     monkeypatch.setattr(pd.hostile, "TRAFFIC_BEFORE_S", 0.2)
     monkeypatch.setattr(pd.hostile, "TRAFFIC_AFTER_S", 0.2)
@@ -58,7 +59,7 @@ def test_run_pd_records_every_scenario_on_standins(standins, tmp_path):
     assert run.main(["pd", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"]) == 0
     record = json.loads(out.read_text())
     res, servers = record["results"], record["servers"]
-    assert list(res) == ["budget_s", "a_abort_storm", "b_hostile_frames", "c_pd_checksum", "d_decode_killed",
+    assert list(res) == ["patch", "budget_s", "a_abort_storm", "b_hostile_frames", "c_pd_checksum", "d_decode_killed",
                          "b_hostile_frames_hardening_off"]
     assert not any("error" in r or "skipped" in r for r in res.values() if isinstance(r, dict)), res
 
