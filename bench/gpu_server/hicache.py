@@ -46,7 +46,9 @@ METRICS = ("index_k_pages_checked_total", "index_k_pages_recorded_total", "index
 _HICACHE = ["--enable-hierarchical-cache", "--hicache-ratio", "8"]  # the host holds every session's history
 # Half the device pool for the sliding-window layers (upstream's default is a tenth). With a tenth, both servers
 # without HiCache stalled mid-storm on an H200, sliding-window pool 92% full, no line logged for 4.5 minutes.
-_SWA = ["--swa-full-tokens-ratio", "0.5"]
+# sglang's soft watchdog logs the scheduler's state and a py-spy dump (the bundle carries py-spy) of a forward that
+# has not finished in 60 s, and lets it go on: a stall is then told apart from a stuck kernel.
+_EVERY_SERVER = ["--swa-full-tokens-ratio", "0.5", "--soft-watchdog-timeout", "60"]
 LAYOUTS = {
     "kernel_layer_first": ["--hicache-io-backend", "kernel", "--hicache-mem-layout", "layer_first"],
     "kernel_page_first": ["--hicache-io-backend", "kernel", "--hicache-mem-layout", "page_first"],
@@ -62,7 +64,7 @@ def _spec(name: str, index_k: str, hicache: list[str] | None, fault: str = "") -
     # time on a cold JIT cache.
     return ServerSpec(name, "hicache", "dsv4", graphs=False, index_k=index_k, mem_fraction=0.3, max_total_tokens=32768,
                       context_length=8192, max_running=WAVE, chunked_prefill=4096,
-                      extra_args=_SWA + ((_HICACHE + hicache) if hicache is not None else []), extra_env=env)
+                      extra_args=_EVERY_SERVER + ((_HICACHE + hicache) if hicache is not None else []), extra_env=env)
 
 
 def specs() -> list[ServerSpec]:

@@ -58,6 +58,7 @@ class Dist:
     requires: list[str]
     site: Path
     files: list[str] = field(default_factory=list)
+    binaries: list[str] = field(default_factory=list)  # native programs it installs into the venv's bin/
 
 
 def scan_site(site: Path) -> dict[str, Dist]:
@@ -66,10 +67,21 @@ def scan_site(site: Path) -> dict[str, Dist]:
         meta = email.parser.Parser().parsestr((info / "METADATA").read_text(encoding="utf-8", errors="replace"))
         with open(info / "RECORD", newline="", encoding="utf-8") as f:
             files = [row[0] for row in csv.reader(f) if row]
+        binaries = [p for p in files if p.startswith("../../../bin/") and _is_native(site / p)]
         files = [p for p in files if not p.startswith("../") and "__pycache__/" not in p and not p.endswith(".pyc")]
-        dist = Dist(meta["Name"], meta["Version"], meta.get_all("Requires-Dist") or [], site, files)
+        dist = Dist(meta["Name"], meta["Version"], meta.get_all("Requires-Dist") or [], site, files, binaries)
         dists[normalize(dist.name)] = dist
     return dists
+
+
+def _is_native(path: Path) -> bool:
+    """An ELF program (py-spy), which runs from any folder; not a console script, whose first line names the
+    venv's own interpreter (the bundle writes those itself)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"\x7fELF"
+    except OSError:
+        return False
 
 
 def resolve(roots: list[str], available: dict[str, Dist], python: str, skip: set[str]) -> tuple[list[str], dict[str, str]]:
@@ -250,6 +262,7 @@ def _group(dists: dict[str, Dist], shared_name: str) -> list[Archive]:
     archives = []
     for name, dist in sorted(dists.items()):
         members = [(f"site/{p}", dist.site / p) for p in dist.files]
+        members += [(f"bin/{Path(p).name}", (dist.site / p).resolve()) for p in dist.binaries]
         if sum(src.stat().st_size for _, src in members) >= policy.OWN_ARCHIVE_BYTES:
             archives.append(Archive(name, members, [f"{dist.name} {dist.version}"]))
         else:

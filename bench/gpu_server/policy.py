@@ -87,7 +87,6 @@ DROPPED = {
     "modelscope": "downloads from ModelScope; the GPU host has no network",
     "kernels": "downloads kernels from the Hugging Face hub; the GPU host has no network",
     "datasets": "benchmark datasets only",
-    "py-spy": "a profiler command, not imported",
     "timm": "vision encoders of multimodal models only",
     "torch-memory-saver": "--enable-memory-saver only; sglang's import is guarded",
     "jedi": "IPython's completion, never reached by sglang's IPython.display import",

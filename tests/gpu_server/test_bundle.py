@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -81,6 +82,12 @@ def venv(tmp_path_factory) -> Path:
                     'old-python-only; python_version < "3.12"', 'test-only; extra == "test"'])
     _dist(site, "bigbin", "1.0", {"bigbin/__init__.py": b"", "bigbin/_core.so": rng.randbytes(3 << 20)})
     _dist(site, "small", "2.0", {"small/__init__.py": b"X = 1\n"}, requires=['nvidia-nccl-cu13; extra == "extra1"'])
+    (root / "bin").mkdir()  # what small puts in the venv's bin/: a native program (like py-spy) and a console script
+    (root / "bin" / "small-tool").write_bytes(_elf(["libc.so.6"]))
+    (root / "bin" / "small-tool").chmod(0o755)
+    (root / "bin" / "small-cli").write_text(f"#!{root}/bin/python\n")
+    record = site / "small-2.0.dist-info" / "RECORD"
+    record.write_text(record.read_text() + "../../../bin/small-tool,,\n../../../bin/small-cli,,\n")
     _dist(site, "nvidia-nccl-cu13", "2.30.7", {"nvidia/nccl/lib/libnccl.so.2": rng.randbytes(200_000)})
     _dist(site, "triton", "3.8.0", {f"triton/{rel}": b"x" for rel in (
         "__init__.py", "backends/nvidia/bin/ptxas", "backends/nvidia/bin/ptxas-blackwell", "_C/libproton.so")})
@@ -166,6 +173,9 @@ def test_parts_arrive_one_at_a_time_in_any_order_and_finish_sets_up_the_tree(pac
     assert (site / "nvidia" / "cu13").resolve() == (host / "nvidia" / "cu13").resolve()
     assert not (site / "nvidia" / "nccl").is_symlink()
     assert (site / "dsv4_sm120" / "plugin.py").exists() and (root / "bin" / "dsv4-sm120").exists()
+    tool = root / "bin" / "small-tool"  # a native program comes along, runnable; a venv's console script does not
+    assert tool.read_bytes() == (venv / "bin" / "small-tool").read_bytes() and os.access(tool, os.X_OK)
+    assert not (root / "bin" / "small-cli").exists()
     for name in models.MODELS:
         assert json.loads((root / "models" / name / "config.json").read_text()) == models.config(name)
 
