@@ -111,6 +111,16 @@ class Canceller(threading.Thread):
             self.stop.wait(CANCEL_EVERY_S)
 
 
+def _waves():
+    """(round, wave, sessions) in the order every server gets them: each round's sessions shuffled (so groups
+    interleave and prefixes keep leaving the device), then cut into waves of ``WAVE``."""
+    for rnd in range(ROUNDS):
+        order = list(range(SESSIONS))
+        random.Random(rnd).shuffle(order)
+        for w in range(0, SESSIONS, WAVE):
+            yield rnd, w // WAVE, order[w:w + WAVE]
+
+
 def storm(url: str, deadline: float = float("inf")) -> dict:
     """The storm on one server: per wave its requests' digests (or errors), plus the integrity counters; no
     wave starts after ``deadline`` (time.monotonic())."""
@@ -122,28 +132,22 @@ def storm(url: str, deadline: float = float("inf")) -> dict:
     canceller.start()
     waves, failed, stalled, t0 = [], [], None, time.monotonic()
     try:
-        for rnd in range(ROUNDS):
-            if time.monotonic() > deadline or stalled:
+        for rnd, wave, sessions in _waves():
+            if time.monotonic() > deadline:
                 break
-            order = list(range(SESSIONS))
-            random.Random(rnd).shuffle(order)  # groups interleave, so prefixes keep leaving the device
-            for w in range(0, SESSIONS, WAVE):
-                if time.monotonic() > deadline:
+            ids = [history[s] + traffic.prompt(rnd * 1000 + s, TURN_TOKENS, vocab) for s in sessions]
+            try:
+                _, results = traffic.generate(url, ids, NEW_TOKENS, timeout=WAVE_TIMEOUT_S)
+            except traffic.RequestFailed as exc:
+                if exc.timed_out:
+                    stalled = {"round": rnd, "wave": wave, "after_s": round(time.monotonic() - t0, 1)}
                     break
-                sessions = order[w:w + WAVE]
-                ids = [history[s] + traffic.prompt(rnd * 1000 + s, TURN_TOKENS, vocab) for s in sessions]
-                try:
-                    _, results = traffic.generate(url, ids, NEW_TOKENS, timeout=WAVE_TIMEOUT_S)
-                except traffic.RequestFailed as exc:
-                    if "timed out" in str(exc):
-                        stalled = {"round": rnd, "wave": w // WAVE, "after_s": round(time.monotonic() - t0, 1)}
-                        break
-                    failed.append({"round": rnd, "wave": w // WAVE, "error": str(exc)[:600]})
-                    waves.append(None)
-                    continue
-                waves.append([traffic.digest(r) for r in results])
-                for s, prompt_ids, r in zip(sessions, ids, results):
-                    history[s] = prompt_ids + traffic.output_ids(r)
+                failed.append({"round": rnd, "wave": wave, "error": str(exc)[:600]})
+                waves.append(None)
+                continue
+            waves.append([traffic.digest(r) for r in results])
+            for s, prompt_ids, r in zip(sessions, ids, results):
+                history[s] = prompt_ids + traffic.output_ids(r)
     finally:
         canceller.stop.set()
         canceller.join(10)
@@ -192,9 +196,8 @@ def run(servers: dict, logs: dict, work_dir=None, out: dict | None = None) -> di
     for t in threads:  # a wave in flight at the deadline has its timeout to answer (every wave has one)
         t.join(None if budget == float("inf") else max(0.0, deadline - time.monotonic()) + WAVE_TIMEOUT_S + 60)
     storms = dict(storms)  # a storm still running past its bound is left out of the comparisons
-    out["outputs_vs_off"] = {n: agreement(s, storms["off_fp8" if n.endswith("_fp8") else "off"])
-                             for n, s in storms.items() if n.startswith(("hc_", "control_")) and
-                             ("off_fp8" if n.endswith("_fp8") else "off") in storms}
+    off = {n: "off_fp8" if n.endswith("_fp8") else "off" for n in storms if n.startswith(("hc_", "control_"))}
+    out["outputs_vs_off"] = {n: agreement(storms[n], storms[o]) for n, o in off.items() if o in storms}
     out["mismatch_lines"] = {n: [ln for ln in logs[n]().splitlines() if "index-K checksum mismatch" in ln][:5]
                              for n in servers}
     return out

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -206,8 +207,6 @@ def decode_killed(pair: Pair, work: Path, res: dict) -> None:
 def patch_sglang() -> dict:
     """``dsv4-sm120 patch apply`` on the sglang these servers import (the collective guard lives in its overlap
     loops), then ``patch check --require-applied``, as the README has an operator do before a PD launch."""
-    import subprocess
-
     done = {}
     for step in (["patch", "apply"], ["patch", "check", "--require-applied"]):
         proc = subprocess.run(CLI + step, capture_output=True, text=True, timeout=120)

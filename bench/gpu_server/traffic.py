@@ -33,6 +33,12 @@ def prompts(seed: int, batch: int, length: int, vocab: int, prefix: list[int] | 
 class RequestFailed(RuntimeError):
     """A request did not answer 200; the message has the server's answer."""
 
+    @property
+    def timed_out(self) -> bool:
+        """No answer within the request's timeout (connecting or reading), as opposed to an error answer."""
+        cause = self.__cause__
+        return isinstance(cause, TimeoutError) or isinstance(getattr(cause, "reason", None), TimeoutError)
+
 
 def request(url: str, path: str, body: dict | None = None, *, timeout: float = 30) -> bytes:
     """The answer of one GET (no body) or JSON POST to ``url + path``; anything but 200 raises RequestFailed."""

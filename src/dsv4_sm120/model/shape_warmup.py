@@ -80,7 +80,7 @@ async def dsv4_shapes(disaggregation_mode: str, tokenizer_manager) -> None:
     for i, (count, tokens) in enumerate(groups):
         if time.monotonic() - t0 > BUDGET_S:
             logger.warning("dsv4-sm120: warmup %s stopped after %.0f s; left cold: %s", NAME, time.monotonic() - t0,
-                           ", ".join(f"{c}x{t}" for c, t in groups[i:]))
+                           _shapes(groups[i:]))
             break
         try:
             if paired:  # one room at a time: every fake request shares room 0
@@ -94,7 +94,11 @@ async def dsv4_shapes(disaggregation_mode: str, tokenizer_manager) -> None:
             continue
         sent += count
     logger.info("dsv4-sm120: warmup %s served %d requests in %.1f s (prompts %s tokens)", NAME, sent,
-                time.monotonic() - t0, ", ".join(f"{c}x{t}" for c, t in groups))
+                time.monotonic() - t0, _shapes(groups))
+
+
+def _shapes(groups: list[tuple[int, int]]) -> str:
+    return ", ".join(f"{count}x{tokens}" for count, tokens in groups)
 
 
 def offer_warmup(disaggregation_mode, warmup_names, tokenizer_manager):
