@@ -4,7 +4,7 @@ Servers (``--model-impl dsv4``, ``DSV4_SM120_INDEX_K_CHECKSUM=1``, a device pool
 than the sessions' prefixes, so they are evicted, backed up and loaded back all the time; a host pool 4x
 that): one per io backend and host layout the pin supports for DeepSeek-V4 (``kernel`` with ``layer_first``
 and ``page_first``; ``direct``, which upstream itself moves to ``page_first_direct``), one with HiCache off
-for the token comparison, the same pair with fp8 keys, and two controls that load a test-side sglang
+(a device pool 4x larger, so that it never waits on memory) for the token comparison, the same pair with fp8 keys, and two controls that load a test-side sglang
 plugin (``tests/gpu_server/faults``, never in the wheel): one corrupts a single index-K page after a load
 lands, one takes the package's load fence out of its bf16 accessors.
 
@@ -62,7 +62,9 @@ def _spec(name: str, index_k: str, hicache: list[str] | None, fault: str = "") -
         env.update({"DSV4_TEST_FAULT": fault, "PYTHONPATH": f"{FAULTS_DIR}:{os.environ.get('PYTHONPATH', '')}"})
     # Eager: the copies under test do not run in the decode graph, and eager servers start in a fraction of the
     # time on a cold JIT cache.
-    return ServerSpec(name, "hicache", "dsv4", graphs=False, index_k=index_k, mem_fraction=0.3, max_total_tokens=32768,
+    # The servers without HiCache are the reference: a device pool 4x larger, so they never wait on memory.
+    pool = 32768 if hicache is not None else 4 * 32768
+    return ServerSpec(name, "hicache", "dsv4", graphs=False, index_k=index_k, mem_fraction=0.3, max_total_tokens=pool,
                       context_length=8192, max_running=WAVE, chunked_prefill=4096,
                       extra_args=_EVERY_SERVER + ((_HICACHE + hicache) if hicache is not None else []), extra_env=env)
 
