@@ -141,6 +141,31 @@ def test_bf16_indexer_selects_the_reference_top512(kv, kern, env_torch_logits, c
         assert (got[k:] == -1).all()
 
 
+@pytest.mark.parametrize("chunk_rows", [None, 1])
+def test_the_layers_of_a_forward_share_one_logits_buffer(kv, kern, env_torch_logits, monkeypatch, chunk_rows):
+    # issue 24 (d): an eager indexer call allocates nothing; each C4 layer of a forward (and each chunk of it)
+    # writes its logits into the forward's one buffer, which its top-k transform reads before the next writes
+    from dsv4_sm120.model import deepseek_v4
+
+    outs = []
+    real = deepseek_v4.bf16_paged_mqa_logits
+
+    def spy(*args, **kw):
+        outs.append(kw.get("out"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(deepseek_v4, "bf16_paged_mqa_logits", spy)
+    c = _decode_case(kv, 5, chunk_rows=chunk_rows)
+    _forward(c, skip_compressor=True)
+    first = c.out_pages.clone()
+    c.out_pages.fill_(-7)
+    _forward(c, skip_compressor=True)  # the next C4 layer of the same forward
+    assert torch.equal(c.out_pages, first)
+    assert len(outs) == (2 if chunk_rows is None else 4) and all(o is not None for o in outs)
+    assert len({o.data_ptr() for o in outs}) == 1, "every call must write the forward's one logits buffer"
+    assert getattr(c.im, deepseek_v4.LOGITS_BUFFER).shape == (chunk_rows or 2, c.im.max_compressed_seq_len)
+
+
 def test_compressor_gets_only_the_query_rows(kv, kern, env_torch_logits, monkeypatch):
     # x carries one padding row more than q_lora and positions; upstream trims all three before the compressor
     from dsv4_sm120.model import deepseek_v4

@@ -111,6 +111,26 @@ def _rows(tensor: torch.Tensor, rows: int, value) -> torch.Tensor:
     return F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, rows - tensor.shape[0]), value=value)
 
 
+LOGITS_BUFFER = "dsv4_sm120_logits"  # the attribute of a forward's indexer metadata that holds its logits buffer
+
+
+def logits_buffer(im, rows: int, width: int, device: torch.device) -> torch.Tensor:
+    """The fp32 logits buffer ``[rows, width]`` of one forward, kept on its indexer metadata ``im`` and shared
+    by every C4 layer (and chunk) of it.
+
+    Each layer's logits are read by its top-k transform before the next layer's logits kernel is queued on the
+    same stream, so one buffer serves them all, and an eager indexer call allocates nothing: the output's
+    ``torch.empty`` was a quarter of an eager call's host time on an H200 host (6.3 of 29 us; issue 24 d,
+    bench/results/kernels/indexer_h200_2026-12-02_eager_786f569.json). The buffer lives as long as the forward's
+    metadata, so it holds no memory between forwards that the per-layer allocation did not.
+    """
+    buffer = getattr(im, LOGITS_BUFFER, None)
+    if buffer is None or buffer.shape[0] < rows or buffer.shape[1] != width or buffer.device != device:
+        buffer = torch.empty((rows, width), dtype=torch.float32, device=device)
+        setattr(im, LOGITS_BUFFER, buffer)
+    return buffer
+
+
 def select_topk(indexer: C4Indexer, backend, x, q_lora, positions, q_lora_quant=None) -> None:
     """Score every query row against its request's bf16 keys and write the top-k pool slots upstream reads.
 
@@ -136,14 +156,21 @@ def select_topk(indexer: C4Indexer, backend, x, q_lora, positions, q_lora_quant=
         raw = torch.empty_like(out_pages)
     pages = backend.token_to_kv_pool.index_k_pages_bf16(indexer.layer_id)  # behind the HiCache load fence
     chunk_plans = getattr(im, "topk_metadata_chunks", None)
-    for i, start in enumerate(range(0, rows, max(1, step))):
-        r = slice(start, min(rows, start + step))
-        logits = bf16_paged_mqa_logits(q[r], pages, weights[r], seq_lens[r], page_table[r],
-                                       im.max_compressed_seq_len)
-        plan = chunk_plans[i] if chunk_plans is not None and step < rows else None
-        run_topk_transform(backend, im, logits, seq_lens[r], page_table[r], out_pages[r],
-                           None if raw is None else raw[r], whole=step >= rows, plan=plan)
-        del logits
+    width = im.max_compressed_seq_len
+    if 0 < rows <= step:  # one chunk (decode, short extends): the tensors themselves, no views made per layer
+        logits = bf16_paged_mqa_logits(q, pages, weights, seq_lens, page_table, width,
+                                       out=logits_buffer(im, rows, width, q.device))
+        run_topk_transform(backend, im, logits, seq_lens, page_table, out_pages, raw, whole=True)
+    else:
+        buffer = logits_buffer(im, step, width, q.device)
+        for i, start in enumerate(range(0, rows, max(1, step))):
+            r = slice(start, min(rows, start + step))
+            n = r.stop - start
+            logits = bf16_paged_mqa_logits(q[r], pages, weights[r], seq_lens[r], page_table[r], width,
+                                           out=buffer if n == step else buffer[:n])
+            run_topk_transform(backend, im, logits, seq_lens[r], page_table[r], out_pages[r],
+                               None if raw is None else raw[r], whole=False,
+                               plan=None if chunk_plans is None else chunk_plans[i])
     if capturer is not None:
         layer = backend.token_to_kv_pool.layer_mapping[indexer.layer_id].compress_layer_id
         capturer.capture(layer, raw)
