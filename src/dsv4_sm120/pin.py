@@ -75,6 +75,9 @@ MANIFEST: tuple[Touch, ...] = (
           "--dsa-topk-backend sgl-kernel with top-k v2."),
     Touch("sglang.srt.layers.attention.dsv4.indexer.plan_topk_v2", "calls", "model",
           "Top-k v2 plan for a row chunk of the bf16 indexer."),
+    Touch("sglang.srt.layers.attention.dsv4.metadata.PagedIndexerMetadata", "calls", "model",
+          "A forward's indexer metadata: the bf16 indexer reads its page table, lengths and chunking, and keeps the "
+          "forward's one logits buffer on it (model.deepseek_v4.logits_buffer)."),
     Touch("sglang.srt.layers.attention.dsv4.indexer.get_global_indexer_capturer", "calls", "model",
           "Indexer top-k capture keeps working with bf16 keys."),
     Touch("sglang.srt.runtime_context.get_memory", "calls", "model",
