@@ -60,6 +60,16 @@ def host_facts() -> dict:
             "versions": json.loads(versions) if versions.startswith("{") else {"error": "could not read versions"}}
 
 
+def wait_for_file(path: Path, timeout: float) -> float:
+    """Seconds waited until ``path`` existed; raises TimeoutError after ``timeout``."""
+    t0 = time.monotonic()
+    while not path.exists():
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"{path} did not appear within {timeout:.0f}s")
+        time.sleep(1.0)
+    return round(time.monotonic() - t0, 1)
+
+
 def _stop_on_sigterm(signum, frame):
     raise SystemExit(f"stopped by signal {signum}")
 
@@ -84,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--startup-timeout", type=float, default=float(os.environ.get("DSV4_GPU_STARTUP_TIMEOUT", 480)),
                     help="seconds for every server to answer /health_generate (env DSV4_GPU_STARTUP_TIMEOUT)")
     ap.add_argument("--only", default="", help="comma-separated server names of the set (default: all)")
+    ap.add_argument("--after", type=Path, default=None,
+                    help="once the servers are healthy, wait until this file exists before the scenarios (a GPU "
+                         "shared with another job until then: timings are taken on a quiet GPU, startup is not)")
+    ap.add_argument("--after-timeout", type=float, default=900.0, help="seconds to wait for --after at most")
     args = ap.parse_args(argv)
 
     signal.signal(signal.SIGTERM, _stop_on_sigterm)  # a bounded run still stops its servers and writes its JSON
@@ -110,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             wait_healthy(started, args.startup_timeout)
             record["servers"] = {s.spec.name: {"launch": launch_line(s), "healthy_after_s": s.healthy_after_s}
                                  for s in started}
+            if args.after is not None:
+                record["waited_for"] = {"file": str(args.after), "seconds": wait_for_file(args.after, args.after_timeout)}
             urls = {s.spec.name: s.url for s in started}
             logs = {s.spec.name: (lambda p=s.proc.log: p.read_text(errors="replace")) for s in started}
             run_set(urls, logs, log_dir / "work", record["results"])

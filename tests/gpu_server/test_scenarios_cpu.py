@@ -204,3 +204,16 @@ def test_the_fault_plugin_is_found_by_sglangs_plugin_group_only_on_its_path():
     plain = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout
     assert "dsv4_test_faults" in with_faults and "dsv4" in with_faults
     assert "dsv4_test_faults" not in plain
+
+
+def test_run_after_waits_for_the_file_and_says_when_it_never_came(tmp_path):
+    # --after: the scenarios of a run on a GPU another job shares wait until that job leaves a file
+    import threading
+
+    from bench.gpu_server.run import wait_for_file
+
+    flag = tmp_path / "quiet"
+    threading.Timer(1.5, flag.touch).start()
+    assert 1.0 <= wait_for_file(flag, timeout=30) < 10
+    with pytest.raises(TimeoutError, match="did not appear within 1s"):
+        wait_for_file(tmp_path / "never", timeout=1)
