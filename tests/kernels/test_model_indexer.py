@@ -164,6 +164,9 @@ def test_the_layers_of_a_forward_share_one_logits_buffer(kv, kern, env_torch_log
     assert len(outs) == (2 if chunk_rows is None else 4) and all(o is not None for o in outs)
     assert len({o.data_ptr() for o in outs}) == 1, "every call must write the forward's one logits buffer"
     assert getattr(c.im, deepseek_v4.LOGITS_BUFFER).shape == (chunk_rows or 2, c.im.max_compressed_seq_len)
+    # metadata reused by a forward of other rows (one row fewer here) gets a buffer of its own shape
+    other = deepseek_v4.logits_buffer(c.im, 1, c.im.max_compressed_seq_len, c.pages.device)
+    assert other.shape == (1, c.im.max_compressed_seq_len) and getattr(c.im, deepseek_v4.LOGITS_BUFFER) is other
 
 
 def test_compressor_gets_only_the_query_rows(kv, kern, env_torch_logits, monkeypatch):

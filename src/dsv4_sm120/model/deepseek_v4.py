@@ -116,7 +116,8 @@ LOGITS_BUFFER = "dsv4_sm120_logits"  # the attribute of a forward's indexer meta
 
 def logits_buffer(im, rows: int, width: int, device: torch.device) -> torch.Tensor:
     """The fp32 logits buffer ``[rows, width]`` of one forward, kept on its indexer metadata ``im`` and shared
-    by every C4 layer (and chunk) of it.
+    by every C4 layer (and chunk) of it; a buffer of another shape there (metadata that outlives its forward,
+    as a CUDA-graph capture's may) is replaced.
 
     Each layer's logits are read by its top-k transform before the next layer's logits kernel is queued on the
     same stream, so one buffer serves them all, and an eager indexer call allocates nothing: the output's
@@ -125,7 +126,7 @@ def logits_buffer(im, rows: int, width: int, device: torch.device) -> torch.Tens
     metadata, so it holds no memory between forwards that the per-layer allocation did not.
     """
     buffer = getattr(im, LOGITS_BUFFER, None)
-    if buffer is None or buffer.shape[0] < rows or buffer.shape[1] != width or buffer.device != device:
+    if buffer is None or buffer.shape != (rows, width) or buffer.device != device:  # another forward's: replaced
         buffer = torch.empty((rows, width), dtype=torch.float32, device=device)
         setattr(im, LOGITS_BUFFER, buffer)
     return buffer
