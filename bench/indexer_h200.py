@@ -509,7 +509,8 @@ def eager_section(pool, gen):
 
     Per shape (rows x live keys, width = the capture width, the same inputs every call, so keys may sit in L2:
     the decode section has the L2-cold kernel times): ``eager_us`` as the model calls it, with every host cache
-    (split counts kept, direct launch) and its forward's logits buffer given (``model.deepseek_v4.logits_buffer``);
+    (split counts kept, direct launch): a ``LogitsCall`` with the lengths, page table, width and the forward's logits
+    buffer bound (``model.deepseek_v4.TopkInputs``), given each layer's queries, weights and pool;
     ``eager_alloc_us`` the same call allocating its output, as a caller without a buffer meets it;
     ``eager_triton_dispatch_us`` with Triton's own dispatch instead of the direct launch;
     ``eager_before_us`` as before issue 24, the split search run before every call (its cache and the wrapper's
@@ -525,7 +526,8 @@ def eager_section(pool, gen):
             q, w, sl, pt = case(pool.shape[0], b, [live] * b, width, gen)
             w = w.unsqueeze(-1)  # as index_query_bf16 returns the head weights
             scratch = torch.empty((b, width), dtype=torch.float32, device=DEV)
-            eager = lambda: bf16_paged_mqa_logits(q, pool, w, sl, pt, width, out=scratch)  # noqa: E731  (as the model)
+            bound = mqa_logits.LogitsCall(sl, pt, width, scratch)
+            eager = lambda: bound(q, pool, w)  # noqa: E731  (as the model calls it)
             eager_alloc = lambda: bf16_paged_mqa_logits(q, pool, w, sl, pt, width)  # noqa: E731
             eager()
             eager_alloc()
@@ -577,8 +579,9 @@ def _host_us(fn, calls, rounds=5):
 
 
 BREAKDOWN_FIELDS = {
-    "whole_call": "the wrapper as the model calls it (its outputs allocated), steady state",
+    "whole_call": "the wrapper allocating its outputs, steady state (the model's call before issue 24 d's bound call)",
     "whole_call_out_given": "logits only: the wrapper with out= given (no allocation)",
+    "bound_call": "logits only: as the model calls it, a LogitsCall with lengths, page table, width and output bound",
     "whole_call_new_layout": "logits only: a new width every call (max_seq_len grows in eager decode): a plan per call",
     "plan_launch": "the plan's Launch alone: addresses, alignment check, device, the cached launch",
     "torch_empty": "the outputs' torch.empty (the only torch op of a steady-state call)",
@@ -674,10 +677,12 @@ def _logits_pieces(pool, gen, live) -> dict:
     out = torch.empty((1, width), dtype=torch.float32, device=DEV)
     call = lambda: bf16_paged_mqa_logits(q, pool, w, sl, pt, width)  # noqa: E731
     plan = _the_plan(mqa_logits, call)
+    bound = mqa_logits.LogitsCall(sl, pt, width, out)
     widths = iter(range(width, 0, -1))
     pieces = _time_pieces({
         "whole_call": call,
         "whole_call_out_given": lambda: bf16_paged_mqa_logits(q, pool, w, sl, pt, width, out=out),
+        "bound_call": lambda: bound(q, pool, w),
         "whole_call_new_layout": lambda: bf16_paged_mqa_logits(q, pool, w, sl, pt, next(widths)),
         "plan_launch": lambda: plan.launch(q, w, pool, sl, pt, out),
         "torch_empty": lambda: torch.empty((1, width), dtype=torch.float32, device=DEV),

@@ -77,7 +77,7 @@ MANIFEST: tuple[Touch, ...] = (
           "Top-k v2 plan for a row chunk of the bf16 indexer."),
     Touch("sglang.srt.layers.attention.dsv4.metadata.PagedIndexerMetadata", "calls", "model",
           "A forward's indexer metadata: the bf16 indexer reads its page table, lengths and chunking, and keeps the "
-          "forward's one logits buffer on it (model.deepseek_v4.logits_buffer)."),
+          "forward's top-k inputs and logits buffer on it (model.deepseek_v4.TopkInputs)."),
     Touch("sglang.srt.layers.attention.dsv4.indexer.get_global_indexer_capturer", "calls", "model",
           "Indexer top-k capture keeps working with bf16 keys."),
     Touch("sglang.srt.runtime_context.get_memory", "calls", "model",

@@ -154,11 +154,15 @@ def main() -> None:
     seq_lens, table = torch.full((tokens,), 3000, dtype=torch.int32), torch.zeros(tokens, 4096, dtype=torch.int32)
     plan, kv, slots = torch.zeros(tokens, 16, dtype=torch.uint8), torch.randn(tokens, 128), torch.arange(tokens)
     positions, norm = torch.arange(tokens), torch.ones(128)
+    logits = torch.empty(tokens, 262144)
+    bound = mqa_logits.LogitsCall(seq_lens, table, 262144, logits)  # a forward's, as model.deepseek_v4.TopkInputs binds it
     inputs = {  # as the model calls them each step (dsv4_sm120/model/deepseek_v4.py), at the capture width
         "index_query": (lambda: index_query.index_query_bf16(q, w, 0.01, freqs, positions),
                         dict(q=q, w=w, freqs=freqs, positions=positions)),
         "mqa_logits": (lambda: mqa_logits.bf16_paged_mqa_logits(rotated, pages, weights, seq_lens, table, 262144),
                        dict(q=rotated, pages=pages, weights=weights, seq_lens=seq_lens, table=table)),
+        "mqa_logits_bound": (lambda: bound(rotated, pages, weights),
+                             dict(q=rotated, pages=pages, weights=weights, seq_lens=seq_lens, table=table, out=logits)),
         "index_k_store": (lambda: index_k_store.store_index_k_bf16(
             kv, pages, slots, norm_weight=norm, norm_eps=1e-6, freqs=freqs, mode="decode", plan=plan),
             dict(kv=kv, pages=pages, slots=slots, norm=norm, freqs=freqs, plan=plan)),
@@ -167,6 +171,7 @@ def main() -> None:
     for name, (call, tensors) in inputs.items():
         LAUNCHES.clear()
         RUNS.clear()
+        PLANS.clear()
         launcher_args = []
         for i in range(2):
             outs = call()
@@ -184,7 +189,7 @@ def main() -> None:
         finally:
             knobs.runtime.launch_enter_hook.remove(hooked)
         result[name] = {"launcher_args": launcher_args, "triton_runs": RUNS["triton"], "launches": len(LAUNCHES),
-                        "plans": PLANS[f"dsv4_sm120.kernels.{name}"], "lines": lines, "torch_ops": ops.ops,
+                        "plans": sum(PLANS.values()), "lines": lines, "torch_ops": ops.ops,
                         "hook_saw": repr(seen)}
     RUNS.clear()
     misaligned = torch.zeros(tokens * heads * 128 + 8, dtype=torch.bfloat16)[1:1 + tokens * heads * 128].view(tokens, heads, 128)

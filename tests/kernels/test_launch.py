@@ -21,12 +21,13 @@ import torch
 from helpers import harness_result, logits_case
 
 HARNESS = Path(__file__).with_name("launch_run.py")
-WRAPPERS = ("index_query", "mqa_logits", "index_k_store")
+WRAPPERS = ("index_query", "mqa_logits", "mqa_logits_bound", "index_k_store")  # bound: a forward's LogitsCall
 # Python lines a steady-state eager call executes in the package and Triton (today 30-36; 105-176 with a cached
 # specialization key per call and Triton's launcher; a decode split search at the capture width adds about 850
 # for the harness's 8 rows, a plan about 100)
 MAX_LINES = 60
-ALLOCATIONS = {"index_query": 2, "mqa_logits": 1, "index_k_store": 0}  # the outputs
+MAX_LINES_BOUND = 32  # a forward's bound logits call: 27 today, 45 keying its plan on all six tensors again
+ALLOCATIONS = {"index_query": 2, "mqa_logits": 1, "mqa_logits_bound": 0, "index_k_store": 0}  # the outputs
 
 
 def test_logits_plan_and_split_search_once_per_layout(kern, monkeypatch):
@@ -46,6 +47,24 @@ def test_logits_plan_and_split_search_once_per_layout(kern, monkeypatch):
     ml.bf16_paged_mqa_logits(q[:1], pages, w[:1], sl[:1], pt[:1], 128)  # another row count: its own search
     ml.bf16_paged_mqa_logits(q[:1], pages, w[:1], sl[:1], pt[:1], 128)
     assert (len(plans), len(searches)) == (3, 2)
+
+
+def test_bound_logits_call_scores_as_the_wrapper_into_its_output(kern):
+    """A forward's LogitsCall (lengths, page table, width and output bound) gives the wrapper's logits, for the
+    layout it plans once and for one whose inputs need normalizing first (the wrapper's own path)."""
+    ml = kern.mqa_logits
+    lens = [70, 9]
+    q, w, pages, sl, pt = logits_case(lens, 16, torch.Generator().manual_seed(6))
+    want = ml.bf16_paged_mqa_logits(q, pages, w, sl, pt, 128)
+    out = torch.full((2, 128), float("nan"))
+    bound = ml.LogitsCall(sl, pt, 128, out)
+    strided_w = torch.stack([w, -w], -1)[..., 0]  # the same weights, not contiguous
+    for weights in (w, w, strided_w):
+        out.fill_(float("nan"))
+        assert bound(q, pages, weights) is out
+        for r, n in enumerate(lens):
+            assert torch.equal(out[r, :n], want[r, :n])
+    assert len(bound._plans) == 2
 
 
 def test_plans_hold_no_tensor_and_refuse_bad_layouts_every_time(kern, monkeypatch):
@@ -75,7 +94,9 @@ def eager() -> dict:
 def test_direct_launch_is_the_call_triton_makes(eager, name):
     assert eager["direct"], "the installed Triton should take the direct path (kernels/launch.py)"
     res = eager[name]
-    assert res["launches"] == 5 and res["triton_runs"] == 1 and res["plans"] == 1, res
+    # the bound call's kernel specialization is the wrapper's, which Triton launched already (the case before it)
+    triton_runs = 0 if name == "mqa_logits_bound" else 1
+    assert res["launches"] == 5 and res["triton_runs"] == triton_runs and res["plans"] == 1, res
     first, second = res["launcher_args"]
     assert first == second, "the direct launch must pass the C launcher what Triton's own launch passed"
 
@@ -84,7 +105,8 @@ def test_direct_launch_is_the_call_triton_makes(eager, name):
 def test_eager_call_python_work_is_bounded(eager, name):
     lines = eager[name]["lines"]
     assert "triton/runtime/jit.py" not in lines, f"a steady-state call went through Triton's dispatch: {lines}"
-    assert sum(lines.values()) <= MAX_LINES, f"{name}: {sum(lines.values())} Python lines a call: {lines}"
+    limit = MAX_LINES_BOUND if name == "mqa_logits_bound" else MAX_LINES
+    assert sum(lines.values()) <= limit, f"{name}: {sum(lines.values())} Python lines a call: {lines}"
     assert eager["split_searches"] == 1
 
 
@@ -95,7 +117,8 @@ def test_steady_state_call_makes_no_torch_op_but_its_outputs(eager, name):
 
 @pytest.mark.parametrize("name", WRAPPERS)
 def test_launch_hooks_see_the_launch_as_tritons_would(eager, name):
-    kernel = {"index_query": "_query_kernel", "mqa_logits": "_logits_kernel", "index_k_store": "_store_kernel"}[name]
+    kernel = {"index_query": "_query_kernel", "mqa_logits": "_logits_kernel", "mqa_logits_bound": "_logits_kernel",
+              "index_k_store": "_store_kernel"}[name]
     assert eager[name]["hook_saw"] == repr([[("function", 2), ("name", kernel), ("stream", 7)]])
 
 

@@ -142,9 +142,9 @@ def test_bf16_indexer_selects_the_reference_top512(kv, kern, env_torch_logits, c
 
 
 @pytest.mark.parametrize("chunk_rows", [None, 1])
-def test_the_layers_of_a_forward_share_one_logits_buffer(kv, kern, env_torch_logits, monkeypatch, chunk_rows):
-    # issue 24 (d): an eager indexer call allocates nothing; each C4 layer of a forward (and each chunk of it)
-    # writes its logits into the forward's one buffer, which its top-k transform reads before the next writes
+def test_the_layers_of_a_forward_share_its_topk_inputs(kv, kern, env_torch_logits, monkeypatch, chunk_rows):
+    # issue 24 (d): the C4 layers of a forward share the metadata cut to their rows and one logits buffer, and
+    # with one chunk a logits call with all of it bound: an eager layer's indexer call allocates nothing
     from dsv4_sm120.model import deepseek_v4
 
     outs = []
@@ -157,16 +157,21 @@ def test_the_layers_of_a_forward_share_one_logits_buffer(kv, kern, env_torch_log
     monkeypatch.setattr(deepseek_v4, "bf16_paged_mqa_logits", spy)
     c = _decode_case(kv, 5, chunk_rows=chunk_rows)
     _forward(c, skip_compressor=True)
+    inputs = getattr(c.im, deepseek_v4.TOPK_INPUTS)
     first = c.out_pages.clone()
     c.out_pages.fill_(-7)
     _forward(c, skip_compressor=True)  # the next C4 layer of the same forward
     assert torch.equal(c.out_pages, first)
-    assert len(outs) == (2 if chunk_rows is None else 4) and all(o is not None for o in outs)
-    assert len({o.data_ptr() for o in outs}) == 1, "every call must write the forward's one logits buffer"
-    assert getattr(c.im, deepseek_v4.LOGITS_BUFFER).shape == (chunk_rows or 2, c.im.max_compressed_seq_len)
-    # metadata reused by a forward of other rows (one row fewer here) gets a buffer of its own shape
-    other = deepseek_v4.logits_buffer(c.im, 1, c.im.max_compressed_seq_len, c.pages.device)
-    assert other.shape == (1, c.im.max_compressed_seq_len) and getattr(c.im, deepseek_v4.LOGITS_BUFFER) is other
+    assert getattr(c.im, deepseek_v4.TOPK_INPUTS) is inputs, "the second layer must take the first one's inputs"
+    assert inputs.logits.shape == (chunk_rows or 2, c.im.max_compressed_seq_len)
+    if chunk_rows is None:
+        assert inputs.call is not None and outs == [], "one chunk: the bound call, not the wrapper"
+    else:
+        assert inputs.call is None and len(outs) == 4
+        assert all(o is not None and o.data_ptr() == inputs.logits.data_ptr() for o in outs)
+    # metadata that meets other rows (one fewer here) gets inputs of its own
+    other = deepseek_v4.topk_inputs(c.im, c.core, 1, 1, c.pages.device)
+    assert other is not inputs and other.logits.shape == (1, c.im.max_compressed_seq_len)
 
 
 def test_compressor_gets_only_the_query_rows(kv, kern, env_torch_logits, monkeypatch):

@@ -435,10 +435,7 @@ def bf16_paged_mqa_logits(
     """
     options = (splits, min_tiles, rows_per_program, tile_pages, early_q, page_hint, strided, qloop_tiles,
                qloop_stages, num_warps, num_stages, inline_store)
-    key = (tensor_key(q), tensor_key(weights), tensor_key(seq_lens), tensor_key(page_table), tensor_key(pages),
-           None if out is None else tensor_key(out), max_seq_len, options)
-    plan = kept(_PLANS, key, _PLANS_MAX,
-                lambda: _logits_plan(q, pages, weights, seq_lens, page_table, max_seq_len, out, *options))
+    plan = _plan(q, pages, weights, seq_lens, page_table, max_seq_len, out, options)
     if plan.copies:
         q, weights, seq_lens, page_table = _normalize(q, weights, seq_lens, page_table)
     if out is None:
@@ -446,6 +443,48 @@ def bf16_paged_mqa_logits(
     if plan.launch is not None:
         plan.launch(q, weights, pages, seq_lens, page_table, out)
     return out
+
+
+# The options of a call that passes none (the model's): what bf16_paged_mqa_logits' keyword defaults give.
+DEFAULT_OPTIONS = (None, MIN_TILES_PER_PROGRAM, None, 1, EARLY_Q, PAGE_HINT, STRIDED, QLOOP_TILES, QLOOP_STAGES, None,
+                   None, None)
+
+
+class LogitsCall:
+    """``bf16_paged_mqa_logits`` with one forward's lengths, page table, width and output bound, default options.
+
+    Every C4 layer of a forward scores its own queries against its own pool with the same lengths, page table and
+    width into the same output, so a layer's call keys its plan on its three tensors only; the bound tensors'
+    layouts are read once, when the forward binds them (issue 24 d: each tensor's layout read costs an eager call
+    about a microsecond of an H200 host's time). Returns the bound output.
+    """
+
+    __slots__ = ("seq_lens", "page_table", "max_seq_len", "out", "_plans")
+
+    def __init__(self, seq_lens: torch.Tensor, page_table: torch.Tensor, max_seq_len: int, out: torch.Tensor):
+        self.seq_lens, self.page_table, self.max_seq_len, self.out = seq_lens, page_table, max_seq_len, out
+        self._plans: dict = {}  # (q, weights, pages) layouts -> _Plan; a forward meets one or two
+
+    def __call__(self, q: torch.Tensor, pages: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        key = (tensor_key(q), tensor_key(weights), tensor_key(pages))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = _plan(q, pages, weights, self.seq_lens, self.page_table, self.max_seq_len,
+                                            self.out, DEFAULT_OPTIONS)
+        if plan.copies:  # inputs to normalize first: the wrapper's own path
+            return bf16_paged_mqa_logits(q, pages, weights, self.seq_lens, self.page_table, self.max_seq_len,
+                                         out=self.out)
+        if plan.launch is not None:
+            plan.launch(q, weights, pages, self.seq_lens, self.page_table, self.out)
+        return self.out
+
+
+def _plan(q, pages, weights, seq_lens, page_table, max_seq_len, out, options: tuple) -> "_Plan":
+    """The plan of this argument layout, worked out the first time it is met (:func:`_logits_plan`)."""
+    key = (tensor_key(q), tensor_key(weights), tensor_key(seq_lens), tensor_key(page_table), tensor_key(pages),
+           None if out is None else tensor_key(out), max_seq_len, options)
+    return kept(_PLANS, key, _PLANS_MAX,
+                lambda: _logits_plan(q, pages, weights, seq_lens, page_table, max_seq_len, out, *options))
 
 
 class _Plan(NamedTuple):

@@ -29,7 +29,7 @@ from sglang.srt.runtime_context import get_memory
 from dsv4_sm120 import settings
 from dsv4_sm120.kernels.index_k_store import store_index_k_bf16
 from dsv4_sm120.kernels.index_query import index_query_bf16
-from dsv4_sm120.kernels.mqa_logits import bf16_paged_mqa_logits
+from dsv4_sm120.kernels.mqa_logits import LogitsCall, bf16_paged_mqa_logits
 
 C4_RATIO = 4
 logger = logging.getLogger("dsv4_sm120.model")
@@ -111,25 +111,49 @@ def _rows(tensor: torch.Tensor, rows: int, value) -> torch.Tensor:
     return F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, rows - tensor.shape[0]), value=value)
 
 
-LOGITS_BUFFER = "dsv4_sm120_logits"  # the attribute of a forward's indexer metadata that holds its logits buffer
+TOPK_INPUTS = "dsv4_sm120_topk_inputs"  # the attribute of a forward's indexer metadata that holds its TopkInputs
 
 
-def logits_buffer(im, rows: int, width: int, device: torch.device) -> torch.Tensor:
-    """The fp32 logits buffer ``[rows, width]`` of one forward, kept on its indexer metadata ``im`` and shared
-    by every C4 layer (and chunk) of it; a buffer of another shape there (metadata that outlives its forward,
-    as a CUDA-graph capture's may) is replaced.
+class TopkInputs:
+    """What the C4 layers of one forward share in :func:`select_topk`, worked out by the first of them.
 
-    Each layer's logits are read by its top-k transform before the next layer's logits kernel is queued on the
-    same stream, so one buffer serves them all, and an eager indexer call allocates nothing: the output's
-    ``torch.empty`` was a quarter of an eager call's host time on an H200 host (6.3 of 29 us; issue 24 d,
-    bench/results/kernels/indexer_h200_2026-12-02_eager_786f569.json). The buffer lives as long as the forward's
-    metadata, so it holds no memory between forwards that the per-layer allocation did not.
+    The metadata cut or padded to the query rows (three views or copies a layer made before), one fp32 logits
+    buffer ``[rows or the chunk's rows, width]`` and, where the rows are one chunk (decode, short extends), the
+    logits call with all of it bound (:class:`LogitsCall`). Each layer's logits are read by its top-k transform
+    before the next layer's logits kernel is queued on the same stream, so one buffer serves them all, and an eager
+    layer's indexer call allocates nothing and reads the layout of three tensors instead of six (issue 24 d: the
+    output's ``torch.empty`` was 6.3 of an eager call's 29 us of host time on an H200 host,
+    bench/results/kernels/indexer_h200_2026-12-02_eager_786f569.json). Kept on the forward's metadata, so it lives
+    as long as the forward does; metadata that outlives its forward (a CUDA-graph capture's may) and meets other
+    tensors or rows gets new inputs.
     """
-    buffer = getattr(im, LOGITS_BUFFER, None)
-    if buffer is None or buffer.shape != (rows, width) or buffer.device != device:  # another forward's: replaced
-        buffer = torch.empty((rows, width), dtype=torch.float32, device=device)
-        setattr(im, LOGITS_BUFFER, buffer)
-    return buffer
+
+    __slots__ = ("source", "rows", "step", "width", "seq_lens", "page_table", "out_pages", "logits", "call")
+
+    def __init__(self, im, core, rows: int, step: int, device: torch.device):
+        self.source = (im.compressed_seq_lens, im.page_table, core.c4_sparse_page_indices)
+        self.rows, self.step, self.width = rows, step, im.max_compressed_seq_len
+        self.seq_lens = _rows(im.compressed_seq_lens, rows, 1).reshape(-1)
+        self.page_table = _rows(im.page_table, rows, 0)
+        self.out_pages = _rows(core.c4_sparse_page_indices, rows, -1)
+        one_chunk = 0 < rows <= step
+        self.logits = torch.empty((rows if one_chunk else step, self.width), dtype=torch.float32, device=device)
+        self.call = LogitsCall(self.seq_lens, self.page_table, self.width, self.logits) if one_chunk else None
+
+    def serves(self, im, core, rows: int, step: int) -> bool:
+        """Whether these inputs were made from this metadata's tensors for these rows."""
+        seq_lens, page_table, out_pages = self.source
+        return (seq_lens is im.compressed_seq_lens and page_table is im.page_table
+                and out_pages is core.c4_sparse_page_indices and rows == self.rows and step == self.step)
+
+
+def topk_inputs(im, core, rows: int, step: int, device: torch.device) -> TopkInputs:
+    """The forward's :class:`TopkInputs`, made by its first C4 layer and kept on its indexer metadata ``im``."""
+    inputs = getattr(im, TOPK_INPUTS, None)
+    if inputs is None or not inputs.serves(im, core, rows, step):
+        inputs = TopkInputs(im, core, rows, step, device)
+        setattr(im, TOPK_INPUTS, inputs)
+    return inputs
 
 
 def select_topk(indexer: C4Indexer, backend, x, q_lora, positions, q_lora_quant=None) -> None:
@@ -148,26 +172,22 @@ def select_topk(indexer: C4Indexer, backend, x, q_lora, positions, q_lora_quant=
             f"the indexer metadata was chunked for {im.compressed_seq_lens.shape[0]} query rows but this "
             f"forward has {rows}: the per-chunk top-k plans would not line up with the rows they score"
         )
-    seq_lens = _rows(im.compressed_seq_lens, rows, 1).reshape(-1)
-    page_table = _rows(im.page_table, rows, 0)
-    out_pages = _rows(core.c4_sparse_page_indices, rows, -1)
+    inputs = topk_inputs(im, core, rows, step, q.device)
     capturer = upstream_indexer.get_global_indexer_capturer()
     raw = core.c4_sparse_raw_indices
     if raw is None and capturer is not None:
-        raw = torch.empty_like(out_pages)
+        raw = torch.empty_like(inputs.out_pages)
     pages = backend.token_to_kv_pool.index_k_pages_bf16(indexer.layer_id)  # behind the HiCache load fence
-    chunk_plans = getattr(im, "topk_metadata_chunks", None)
-    width = im.max_compressed_seq_len
-    if 0 < rows <= step:  # one chunk (decode, short extends): the tensors themselves, no views made per layer
-        logits = bf16_paged_mqa_logits(q, pages, weights, seq_lens, page_table, width,
-                                       out=logits_buffer(im, rows, width, q.device))
-        run_topk_transform(backend, im, logits, seq_lens, page_table, out_pages, raw, whole=True)
+    if inputs.call is not None:  # one chunk: everything but this layer's queries, weights and pool is bound
+        logits = inputs.call(q, pages, weights)
+        run_topk_transform(backend, im, logits, inputs.seq_lens, inputs.page_table, inputs.out_pages, raw, whole=True)
     else:
-        buffer = logits_buffer(im, step, width, q.device)
+        chunk_plans = getattr(im, "topk_metadata_chunks", None)
+        seq_lens, page_table, out_pages, buffer = inputs.seq_lens, inputs.page_table, inputs.out_pages, inputs.logits
         for i, start in enumerate(range(0, rows, max(1, step))):
             r = slice(start, min(rows, start + step))
             n = r.stop - start
-            logits = bf16_paged_mqa_logits(q[r], pages, weights[r], seq_lens[r], page_table[r], width,
+            logits = bf16_paged_mqa_logits(q[r], pages, weights[r], seq_lens[r], page_table[r], inputs.width,
                                            out=buffer if n == step else buffer[:n])
             run_topk_transform(backend, im, logits, seq_lens[r], page_table[r], out_pages[r],
                                None if raw is None else raw[r], whole=False,
