@@ -172,6 +172,9 @@ def test_the_layers_of_a_forward_share_its_topk_inputs(kv, kern, env_torch_logit
     # metadata that meets other rows (one fewer here) gets inputs of its own
     other = deepseek_v4.topk_inputs(c.im, c.core, 1, 1, c.pages.device)
     assert other is not inputs and other.logits.shape == (1, c.im.max_compressed_seq_len)
+    # metadata of fewer rows than the queries is padded: copies, which no later layer takes over
+    padded = deepseek_v4.topk_inputs(c.im, c.core, 3, 3, c.pages.device)
+    assert padded.padded and deepseek_v4.topk_inputs(c.im, c.core, 3, 3, c.pages.device) is not padded
 
 
 def test_compressor_gets_only_the_query_rows(kv, kern, env_torch_logits, monkeypatch):

@@ -125,14 +125,18 @@ class TopkInputs:
     output's ``torch.empty`` was 6.3 of an eager call's 29 us of host time on an H200 host,
     bench/results/kernels/indexer_h200_2026-12-02_eager_786f569.json). Kept on the forward's metadata, so it lives
     as long as the forward does; metadata that outlives its forward (a CUDA-graph capture's may) and meets other
-    tensors or rows gets new inputs.
+    tensors or rows gets new inputs. Views only: where the metadata has fewer rows than the queries (padded
+    copies), each layer makes its inputs as before.
     """
 
-    __slots__ = ("source", "rows", "step", "width", "seq_lens", "page_table", "out_pages", "logits", "call")
+    __slots__ = ("source", "rows", "step", "width", "padded", "seq_lens", "page_table", "out_pages", "logits", "call")
 
     def __init__(self, im, core, rows: int, step: int, device: torch.device):
         self.source = (im.compressed_seq_lens, im.page_table, core.c4_sparse_page_indices)
         self.rows, self.step, self.width = rows, step, im.max_compressed_seq_len
+        # metadata of fewer rows than the queries is padded: copies, not views, made anew by each layer (a copy
+        # kept from one CUDA graph's capture would not be refreshed by another graph's replay)
+        self.padded = any(t.shape[0] < rows for t in self.source)
         self.seq_lens = _rows(im.compressed_seq_lens, rows, 1).reshape(-1)
         self.page_table = _rows(im.page_table, rows, 0)
         self.out_pages = _rows(core.c4_sparse_page_indices, rows, -1)
@@ -143,7 +147,7 @@ class TopkInputs:
     def serves(self, im, core, rows: int, step: int) -> bool:
         """Whether these inputs were made from this metadata's tensors for these rows."""
         seq_lens, page_table, out_pages = self.source
-        return (seq_lens is im.compressed_seq_lens and page_table is im.page_table
+        return (not self.padded and seq_lens is im.compressed_seq_lens and page_table is im.page_table
                 and out_pages is core.c4_sparse_page_indices and rows == self.rows and step == self.step)
 
 
