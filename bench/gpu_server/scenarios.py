@@ -149,6 +149,21 @@ def cost_specs() -> list[ServerSpec]:
     ]
 
 
+def warm_every_shape(servers: dict, prefixes: dict, vocab: int) -> dict:
+    """Each timed shape once on every server, untimed; seconds per server. On a cold JIT cache the first request
+    of a shape compiles kernels for it (minutes on Flash's dimensions: a start-up on a cold cache captured one
+    decode batch size about every 186 s on an H200), which no timed visit may include: a decode visit is the
+    difference of two requests, so a compile in the first would come out as a negative step."""
+    spent = dict.fromkeys(servers, 0.0)
+    for name, url in servers.items():
+        for i, length in enumerate(PREFILL_POINTS):
+            spent[name] += traffic.generate(url, [traffic.prompt(40000 + i, length, vocab)], 1)[0]
+        for i, (batch, ctx) in enumerate(DECODE_POINTS):
+            ids = traffic.prompts(900000 + 10 * i, batch, ctx, vocab, prefix=prefixes[ctx])
+            spent[name] += traffic.generate(url, ids, DECODE_SHORT + DECODE_STEPS)[0]
+    return {name: round(t, 1) for name, t in spent.items()}
+
+
 def _abba(names: list[str]) -> list[str]:
     return names + names[::-1]
 
@@ -166,6 +181,7 @@ def run_cost(servers: dict, logs: dict | None = None, work_dir=None, out: dict |
     for ctx, prefix in prefixes.items():  # every server caches the same prefix before any timing
         for name in names:
             traffic.generate(servers[name], [prefix + traffic.prompt(1, TAIL, vocab)], 1)
+    result["warm_s"] = warm_every_shape(servers, prefixes, vocab)
     for i, length in enumerate(PREFILL_POINTS):
         visits = {n: [] for n in names}
         for rep in range(2):

@@ -138,7 +138,11 @@ def test_cost_visits_every_server_in_abba_order_and_reads_a_profile(monkeypatch,
     finally:
         for server, _ in started.values():
             server.shutdown()
-    start = len(urls) + 2 * 6  # after each server cached the prefix and the prefill visits (2 rounds of ABBA)
+    # after each server cached the prefix, met every shape once untimed (one prefill, one decode point here)
+    # and the prefill visits (2 rounds of ABBA)
+    start = len(urls) + 2 * len(urls) + 2 * 6
+    assert visits[len(urls):3 * len(urls)] == [url for url in urls.values() for _ in range(2)]
+    assert set(res["warm_s"]) == set(urls)
     decode_visits = visits[start:start + 12:2]  # the short call of each decode visit
     assert decode_visits == [urls[n] for n in ("dsv4_bf16", "sglang_tilelang", "sglang_deepgemm",
                                                 "sglang_deepgemm", "sglang_tilelang", "dsv4_bf16")]
