@@ -580,7 +580,7 @@ def _host_us(fn, calls, rounds=5):
 
 BREAKDOWN_FIELDS = {
     "whole_call": "the wrapper allocating its outputs, steady state (the model's call before issue 24 d's bound call)",
-    "whole_call_out_given": "logits only: the wrapper with out= given (no allocation)",
+    "whole_call_out_given": "the wrapper with out= given (no allocation): the query as the model calls it",
     "bound_call": "logits only: as the model calls it, a LogitsCall with lengths, page table, width and output bound",
     "whole_call_new_layout": "logits only: a new width every call (max_seq_len grows in eager decode): a plan per call",
     "plan_launch": "the plan's Launch alone: addresses, alignment check, device, the cached launch",
@@ -708,6 +708,7 @@ def _query_pieces(gen, freqs, live) -> dict:
     plan = _the_plan(index_query, call)
     return _time_pieces({
         "whole_call": call,
+        "whole_call_out_given": lambda: index_query.index_query_bf16(q, w, 0.0110485, freqs, pos, out=(rotated, scaled)),
         "plan_launch": lambda: plan.launch(q, w, rotated, scaled, freqs, pos),
         "torch_empty": lambda: (torch.empty((1, H, D), dtype=torch.bfloat16, device=DEV),
                                 torch.empty((1, H, 1), dtype=torch.float32, device=DEV)),

@@ -155,12 +155,15 @@ def main() -> None:
     plan, kv, slots = torch.zeros(tokens, 16, dtype=torch.uint8), torch.randn(tokens, 128), torch.arange(tokens)
     positions, norm = torch.arange(tokens), torch.ones(128)
     logits = torch.empty(tokens, 262144)
+    query_out = (torch.empty(tokens, heads, 128, dtype=torch.bfloat16), torch.empty(tokens, heads, 1))  # a forward's
     bound = mqa_logits.LogitsCall(seq_lens, table, 262144, logits)  # a forward's, as model.deepseek_v4.TopkInputs binds it
     inputs = {  # as the model calls them each step (dsv4_sm120/model/deepseek_v4.py), at the capture width
         "index_query": (lambda: index_query.index_query_bf16(q, w, 0.01, freqs, positions),
                         dict(q=q, w=w, freqs=freqs, positions=positions)),
         "mqa_logits": (lambda: mqa_logits.bf16_paged_mqa_logits(rotated, pages, weights, seq_lens, table, 262144),
                        dict(q=rotated, pages=pages, weights=weights, seq_lens=seq_lens, table=table)),
+        "index_query_out": (lambda: index_query.index_query_bf16(q, w, 0.01, freqs, positions, out=query_out),
+                            dict(q=q, w=w, freqs=freqs, positions=positions)),
         "mqa_logits_bound": (lambda: bound(rotated, pages, weights),
                              dict(q=rotated, pages=pages, weights=weights, seq_lens=seq_lens, table=table, out=logits)),
         "index_k_store": (lambda: index_k_store.store_index_k_bf16(

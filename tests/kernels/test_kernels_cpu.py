@@ -107,6 +107,21 @@ def test_query_rope_hadamard_matches_ref(kern):
     torch.testing.assert_close(wa, wb)
 
 
+def test_query_writes_the_buffers_it_is_given_and_refuses_wrong_ones(kern):
+    # a forward's C4 layers hand the query their shared buffers (issue 24 d); a wrong buffer is refused, clearly
+    g = _gen(5)
+    q = torch.randn(3, 16, D, generator=g).to(torch.bfloat16)
+    w = torch.randn(3, 16, generator=g).to(torch.bfloat16)
+    pos, f = torch.tensor([0, 5, 9]), freqs_cis(64, g)
+    want = kern.index_query.index_query_bf16(q, w, 0.0110485, f, pos)
+    out = (torch.full((3, 16, D), float("nan")).to(torch.bfloat16), torch.full((3, 16, 1), float("nan")))
+    got = kern.index_query.index_query_bf16(q, w, 0.0110485, f, pos, out=out)
+    assert got is out and torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+    for bad in ((out[0].float(), out[1]), (out[0], out[1][:, :8]), (out[0].transpose(0, 1), out[1])):
+        with pytest.raises(ValueError, match="out must be contiguous"):
+            kern.index_query.index_query_bf16(q, w, 0.0110485, f, pos, out=bad)
+
+
 def test_hadamard_is_orthonormal_so_logits_are_preserved(kern):
     h = kern._common.hadamard_matrix(128)
     torch.testing.assert_close(h @ h.T, torch.eye(128, dtype=torch.float64))

@@ -143,8 +143,8 @@ def test_bf16_indexer_selects_the_reference_top512(kv, kern, env_torch_logits, c
 
 @pytest.mark.parametrize("chunk_rows", [None, 1])
 def test_the_layers_of_a_forward_share_its_topk_inputs(kv, kern, env_torch_logits, monkeypatch, chunk_rows):
-    # issue 24 (d): the C4 layers of a forward share the metadata cut to their rows and one logits buffer, and
-    # with one chunk a logits call with all of it bound: an eager layer's indexer call allocates nothing
+    # issue 24 (d): the C4 layers of a forward share the metadata cut to their rows, the query's and the logits'
+    # buffers, and with one chunk a logits call with all of it bound: an eager layer's indexer calls allocate nothing
     from dsv4_sm120.model import deepseek_v4
 
     outs = []
@@ -155,6 +155,10 @@ def test_the_layers_of_a_forward_share_its_topk_inputs(kv, kern, env_torch_logit
         return real(*args, **kw)
 
     monkeypatch.setattr(deepseek_v4, "bf16_paged_mqa_logits", spy)
+    queries = []
+    real_query = deepseek_v4.index_query_bf16
+    monkeypatch.setattr(deepseek_v4, "index_query_bf16",
+                        lambda *a, out=None: queries.append(out) or real_query(*a, out=out))
     c = _decode_case(kv, 5, chunk_rows=chunk_rows)
     _forward(c, skip_compressor=True)
     inputs = getattr(c.im, deepseek_v4.TOPK_INPUTS)
@@ -163,6 +167,8 @@ def test_the_layers_of_a_forward_share_its_topk_inputs(kv, kern, env_torch_logit
     _forward(c, skip_compressor=True)  # the next C4 layer of the same forward
     assert torch.equal(c.out_pages, first)
     assert getattr(c.im, deepseek_v4.TOPK_INPUTS) is inputs, "the second layer must take the first one's inputs"
+    assert inputs.query is not None and all(out is inputs.query for out in queries) and len(queries) == 2, \
+        "each layer's query must be written into the forward's buffers"
     assert inputs.logits.shape == (chunk_rows or 2, c.im.max_compressed_seq_len)
     if chunk_rows is None:
         assert inputs.call is not None and outs == [], "one chunk: the bound call, not the wrapper"

@@ -61,21 +61,26 @@ def _check(q, weights, positions):
         raise ValueError(f"positions must be [T]; got {tuple(positions.shape)} for {q.shape[0]} tokens")
 
 
-def index_query_bf16(q, weights, weight_scale: float, freqs, positions):
+def index_query_bf16(q, weights, weight_scale: float, freqs, positions, *, out: tuple | None = None):
     """q [T, H, 128] (any float) -> (rotated q bf16 [T, H, 128], weights fp32 [T, H, 1]).
 
     As bf16_paged_mqa_logits, the checks and the launch are worked out once per argument layout
-    (:func:`_query_plan`); a call of a known layout allocates the two outputs and launches.
+    (:func:`_query_plan`); a call of a known layout allocates the two outputs and launches. ``out``: the two
+    outputs' buffers (contiguous), written instead of allocated: a forward's, which its C4 layers share
+    (``model.deepseek_v4.TopkInputs``; the two allocations were 12 of an eager call's 28 us of host time on an
+    H200 host, issue 24 d).
     """
-    key = (tensor_key(q), tensor_key(weights), tensor_key(positions), tensor_key(freqs), weight_scale)
-    plan = kept(_PLANS, key, _PLANS_MAX, lambda: _query_plan(q, weights, weight_scale, freqs, positions))
+    key = (tensor_key(q), tensor_key(weights), tensor_key(positions), tensor_key(freqs), weight_scale,
+           None if out is None else (tensor_key(out[0]), tensor_key(out[1])))
+    plan = kept(_PLANS, key, _PLANS_MAX, lambda: _query_plan(q, weights, weight_scale, freqs, positions, out))
     if plan.copies:
         q, weights, freqs, positions = _inputs(q, weights, freqs, positions)
-    out = torch.empty(plan.out_shape, dtype=torch.bfloat16, device=plan.device)
-    w_out = torch.empty(plan.weights_shape, dtype=torch.float32, device=plan.device)
+    if out is None:
+        out = (torch.empty(plan.out_shape, dtype=torch.bfloat16, device=plan.device),
+               torch.empty(plan.weights_shape, dtype=torch.float32, device=plan.device))
     if plan.launch is not None:
-        plan.launch(q, weights, out, w_out, freqs, positions)
-    return out, w_out
+        plan.launch(q, weights, out[0], out[1], freqs, positions)
+    return out
 
 
 class _Plan(NamedTuple):
@@ -101,10 +106,17 @@ def _inputs(q, weights, freqs, positions):
     return q, weights, as_freqs_real(freqs), positions
 
 
-def _query_plan(q, weights, weight_scale, freqs, positions) -> _Plan:
+def _query_plan(q, weights, weight_scale, freqs, positions, out) -> _Plan:
     """Checks and launch of index_query_bf16 for one layout of its arguments."""
     _check(q, weights, positions)
-    check_one_device(q, weights, freqs, positions)
+    check_one_device(q, weights, freqs, positions, *(out or ()))
+    if out is not None:
+        q_out, w_out = out
+        want = ((torch.bfloat16, tuple(q.shape)), (torch.float32, (q.shape[0], q.shape[1], 1)))
+        if any(t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous()
+               for t, (dtype, shape) in zip((q_out, w_out), want)):
+            raise ValueError(f"out must be contiguous (bf16 {want[0][1]}, fp32 {want[1][1]}); got "
+                             f"({q_out.dtype} {tuple(q_out.shape)}, {w_out.dtype} {tuple(w_out.shape)})")
     kq, kw, kf, kpos = _inputs(q, weights, freqs, positions)
     # the kernel reads the inputs themselves where _inputs kept them (a complex table's fp32 view is the table)
     copies = not (all(map(same_memory, (q, weights, positions), (kq, kw, kpos))) and kf.data_ptr() == freqs.data_ptr())

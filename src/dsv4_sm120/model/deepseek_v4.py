@@ -42,11 +42,12 @@ class BF16IndexerUnsupported(RuntimeError):
 class BF16C4Indexer(C4Indexer):
     """C4 indexer over bf16 index keys; the weights and modules are upstream's, unchanged."""
 
-    def compute_q(self, q_lora, positions, weight, q_lora_quant=None):
-        """bf16 query (RoPE + Hadamard, no fp8) and head weights scaled by ``weight_scale``, fp32 [T, H, 1]."""
+    def compute_q(self, q_lora, positions, weight, q_lora_quant=None, out=None):
+        """bf16 query (RoPE + Hadamard, no fp8) and head weights scaled by ``weight_scale``, fp32 [T, H, 1];
+        written into ``out`` (the forward's buffers, :meth:`TopkInputs.query_out`) where given."""
         q, _ = self.wq_b(q_lora if q_lora_quant is None else q_lora_quant)
         q = q.view(-1, self.n_local_heads, self.head_dim)
-        return index_query_bf16(q, weight, self.weight_scale, self.freqs_cis, positions)
+        return index_query_bf16(q, weight, self.weight_scale, self.freqs_cis, positions, out=out)
 
     def forward(self, x, q_lora, forward_batch, attn_backend, enable_multi_stream=False, q_lora_ready=None,
                 skip_compressor=False, q_lora_quant=None):
@@ -117,19 +118,22 @@ TOPK_INPUTS = "dsv4_sm120_topk_inputs"  # the attribute of a forward's indexer m
 class TopkInputs:
     """What the C4 layers of one forward share in :func:`select_topk`, worked out by the first of them.
 
-    The metadata cut or padded to the query rows (three views or copies a layer made before), one fp32 logits
-    buffer ``[rows or the chunk's rows, width]`` and, where the rows are one chunk (decode, short extends), the
-    logits call with all of it bound (:class:`LogitsCall`). Each layer's logits are read by its top-k transform
-    before the next layer's logits kernel is queued on the same stream, so one buffer serves them all, and an eager
-    layer's indexer call allocates nothing and reads the layout of three tensors instead of six (issue 24 d: the
-    output's ``torch.empty`` was 6.3 of an eager call's 29 us of host time on an H200 host,
-    bench/results/kernels/indexer_h200_2026-12-02_eager_786f569.json). Kept on the forward's metadata, so it lives
-    as long as the forward does; metadata that outlives its forward (a CUDA-graph capture's may) and meets other
-    tensors or rows gets new inputs. Views only: where the metadata has fewer rows than the queries (padded
-    copies), each layer makes its inputs as before.
+    The metadata cut or padded to the query rows (three views or copies a layer made before), the buffers of the
+    rotated queries and head weights, one fp32 logits buffer ``[rows or the chunk's rows, width]`` and, where the
+    rows are one chunk (decode, short extends), the logits call with all of it bound (:class:`LogitsCall`). Each
+    layer's queries and logits are read by its own kernels before the next layer's are written on the same stream
+    (or on upstream's indexer stream, joined every layer), so one set of buffers serves them all, and an eager
+    layer's indexer calls allocate nothing and its logits call reads the layout of three tensors instead of six
+    (issue 24 d: on an H200 host the outputs' ``torch.empty`` were 6.3 of the logits call's 29 us of host time
+    and 12.2 of the query call's 28.5, bench/results/kernels/indexer_h200_2026-12-02_eager_786f569.json).
+
+    Kept on the forward's metadata, so it lives as long as the forward does; metadata that outlives its forward
+    (a CUDA-graph capture's may) and meets other tensors or rows gets new inputs. Views only: where the metadata
+    has fewer rows than the queries (padded copies), each layer makes its inputs as before.
     """
 
-    __slots__ = ("source", "rows", "step", "width", "padded", "seq_lens", "page_table", "out_pages", "logits", "call")
+    __slots__ = ("source", "rows", "step", "width", "padded", "seq_lens", "page_table", "out_pages", "logits", "call",
+                 "query")
 
     def __init__(self, im, core, rows: int, step: int, device: torch.device):
         self.source = (im.compressed_seq_lens, im.page_table, core.c4_sparse_page_indices)
@@ -143,6 +147,15 @@ class TopkInputs:
         one_chunk = 0 < rows <= step
         self.logits = torch.empty((rows if one_chunk else step, self.width), dtype=torch.float32, device=device)
         self.call = LogitsCall(self.seq_lens, self.page_table, self.width, self.logits) if one_chunk else None
+        self.query = None  # the rotated queries' and head weights' buffers, made by the first layer's query
+
+    def query_out(self, heads: int, head_dim: int) -> tuple:
+        """The forward's buffers of ``index_query_bf16``'s outputs: bf16 [rows, heads, dim], fp32 [rows, heads, 1]."""
+        if self.query is None or self.query[0].shape[1:] != (heads, head_dim):
+            device = self.logits.device
+            self.query = (torch.empty((self.rows, heads, head_dim), dtype=torch.bfloat16, device=device),
+                          torch.empty((self.rows, heads, 1), dtype=torch.float32, device=device))
+        return self.query
 
     def serves(self, im, core, rows: int, step: int) -> bool:
         """Whether these inputs were made from this metadata's tensors for these rows."""
@@ -167,16 +180,17 @@ def select_topk(indexer: C4Indexer, backend, x, q_lora, positions, q_lora_quant=
     """
     meta = backend.forward_metadata
     im, core = meta.indexer_metadata, meta.core_metadata
-    weights = indexer.compute_weights(x, skip_scale=True)
-    q, weights = indexer.compute_q(q_lora, positions, weights, q_lora_quant)
-    rows = q.shape[0]
+    rows = q_lora.shape[0]  # the query rows (wq_b maps rows one to one)
     step = im.rows_per_chunk or rows
     if step < rows and rows != im.compressed_seq_lens.shape[0]:
         raise RuntimeError(
             f"the indexer metadata was chunked for {im.compressed_seq_lens.shape[0]} query rows but this "
             f"forward has {rows}: the per-chunk top-k plans would not line up with the rows they score"
         )
-    inputs = topk_inputs(im, core, rows, step, q.device)
+    inputs = topk_inputs(im, core, rows, step, q_lora.device)
+    weights = indexer.compute_weights(x, skip_scale=True)
+    q, weights = indexer.compute_q(q_lora, positions, weights, q_lora_quant,
+                                   out=inputs.query_out(indexer.n_local_heads, indexer.head_dim))
     capturer = upstream_indexer.get_global_indexer_capturer()
     raw = core.c4_sparse_raw_indices
     if raw is None and capturer is not None:
