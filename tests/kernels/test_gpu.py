@@ -44,6 +44,47 @@ def test_logits_decode_shape_matches_fp32_reference(inline_store):
         assert len(a & b) / k >= 0.995
 
 
+def test_layers_sharing_a_bound_logits_call_match_the_wrapper_eager_and_in_a_cuda_graph():
+    # issue 24 (d): the C4 layers of a forward share one LogitsCall (lengths, page table, width, output bound) and
+    # its buffer; each layer's logits are read before the next layer writes (here: copied out), in eager calls and
+    # when the whole step is one captured graph, and equal the allocating wrapper's bit for bit
+    from dsv4_sm120.kernels.mqa_logits import LogitsCall, bf16_paged_mqa_logits
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    lens, width = [4096, 300, 70001], 70016
+    q1, w1, pages1, sl, pt = _case(lens, gen, width)
+    q2, w2 = torch.randn_like(q1, dtype=torch.float32).to(torch.bfloat16), torch.randn_like(w1)
+    pages2 = torch.randn_like(pages1, dtype=torch.float32).to(torch.bfloat16)
+    w1, w2 = w1.unsqueeze(-1), w2.unsqueeze(-1)  # [T, H, 1], as the query returns the head weights
+    want = [bf16_paged_mqa_logits(q, p, w, sl, pt, width) for q, p, w in ((q1, pages1, w1), (q2, pages2, w2))]
+    out = torch.empty(len(lens), width, device="cuda")
+    bound = LogitsCall(sl, pt, width, out)
+    seen = [torch.empty_like(out), torch.empty_like(out)]
+
+    def step():
+        for layer, (q, p, w) in enumerate(((q1, pages1, w1), (q2, pages2, w2))):
+            seen[layer].copy_(bound(q, p, w))
+
+    def check():
+        for got, ref in zip(seen, want):
+            for r, n in enumerate(lens):
+                assert torch.equal(got[r, :n], ref[r, :n])
+
+    step()
+    torch.cuda.synchronize()
+    check()
+    for t in seen:
+        t.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for t in seen:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check()
+
+
 def test_checksum_kernel_is_bitwise_the_reference():
     from dsv4_sm120.kernels.page_checksum import page_checksum, page_checksum_ref
 
