@@ -517,7 +517,8 @@ def eager_section(pool, gen):
     plans emptied) and Triton's dispatch (the search itself now divides without ``triton.cdiv``, so this
     understates the old cost);
     ``graph_us`` per launch of a captured graph; ``kernel_us`` the kernel alone (CUPTI); ``host_added_us`` =
-    eager minus kernel (``host_added_alloc_us`` for the allocating call). ``split_search_us`` is one search on the host. Dry runs time eager calls only.
+    eager minus kernel (``host_added_alloc_us`` for the allocating call). ``split_search_us`` is one search on the
+    host. Dry runs time eager calls only.
     """
     rows_out = []
     calls, width, dry = SIZES["eager_calls"], SIZES["width"], g._DRY["on"]
@@ -755,7 +756,8 @@ def _print_verdict(result: dict) -> None:
     for r in result["eager"]:
         if r["B"] == 1 and r.get("host_added_us") is not None:
             verdict = "within" if r["host_added_us"] <= HOST_BAR_US else "OVER"
-            print(f"VERDICT eager logits B=1 live={r['live']} (as the model calls it): eager {r['eager_us']:.1f} us, kernel {r['kernel_us']:.1f}"
+            print(f"VERDICT eager logits B=1 live={r['live']} (as the model calls it): eager {r['eager_us']:.1f} us, "
+                  f"kernel {r['kernel_us']:.1f}"
                   f" us, host added {r['host_added_us']:.1f} us: {verdict} the {HOST_BAR_US:.0f} us bar", flush=True)
 
 

@@ -4,9 +4,10 @@ Servers (``--model-impl dsv4``, ``DSV4_SM120_INDEX_K_CHECKSUM=1``, a device pool
 than the sessions' prefixes, so they are evicted, backed up and loaded back all the time; a host pool 4x
 that): one per io backend and host layout the pin supports for DeepSeek-V4 (``kernel`` with ``layer_first``
 and ``page_first``; ``direct``, which upstream itself moves to ``page_first_direct``), one with HiCache off
-(a device pool 4x larger, so that it never waits on memory) for the token comparison, the same pair with fp8 keys, and two controls that load a test-side sglang
-plugin (``tests/gpu_server/faults``, never in the wheel): one corrupts a single index-K page after a load
-lands, one takes the package's load fence out of its bf16 accessors.
+(a device pool 4x larger, so that it never waits on memory) for the token comparison, the same pair with fp8
+keys, and two controls that load a test-side sglang plugin (``tests/gpu_server/faults``, never in the wheel):
+one corrupts a single index-K page after a load lands, one takes the package's load fence out of its bf16
+accessors.
 
 The storm: ``SESSIONS`` multi-turn sessions in ``GROUPS`` groups, each group sharing a long prefix (past
 the 2048 tokens after which the top-512 selection is active), ``ROUNDS`` rounds in which every session

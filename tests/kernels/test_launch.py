@@ -59,6 +59,8 @@ def test_bound_logits_call_scores_as_the_wrapper_into_its_output(kern):
     q, w, pages, sl, pt = logits_case(lens, 16, torch.Generator().manual_seed(6))
     want = ml.bf16_paged_mqa_logits(q, pages, w, sl, pt, 128)
     out = torch.full((2, 128), float("nan"))
+    ml.bf16_paged_mqa_logits(q, pages, w, sl, pt, 128, out=out)
+    plans = len(ml._PLANS)
     bound = ml.LogitsCall(sl, pt, 128, out)
     strided_w = torch.stack([w, -w], -1)[..., 0]  # the same weights, not contiguous
     for weights in (w, w, strided_w):
@@ -67,6 +69,7 @@ def test_bound_logits_call_scores_as_the_wrapper_into_its_output(kern):
         for r, n in enumerate(lens):
             assert torch.equal(out[r, :n], want[r, :n])
     assert len(bound._plans) == 2
+    assert len(ml._PLANS) == plans + 1, "the bound call shares the wrapper's plan (its defaults are the wrapper's)"
 
 
 def test_plans_hold_no_tensor_and_refuse_bad_layouts_every_time(kern, monkeypatch):

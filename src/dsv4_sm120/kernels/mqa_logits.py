@@ -40,6 +40,7 @@ pages, so the output is the same for any grouping (bit for bit on the H200).
 
 from __future__ import annotations
 
+import inspect
 from typing import NamedTuple
 
 import torch
@@ -445,9 +446,10 @@ def bf16_paged_mqa_logits(
     return out
 
 
-# The options of a call that passes none (the model's): what bf16_paged_mqa_logits' keyword defaults give.
-DEFAULT_OPTIONS = (None, MIN_TILES_PER_PROGRAM, None, 1, EARLY_Q, PAGE_HINT, STRIDED, QLOOP_TILES, QLOOP_STAGES, None,
-                   None, None)
+# The options of a call that passes none (the model's), read off bf16_paged_mqa_logits' keyword defaults in the
+# order the wrapper keys its plans by, so that the two share plans and cannot drift apart.
+DEFAULT_OPTIONS = tuple(p.default for p in inspect.signature(bf16_paged_mqa_logits).parameters.values()
+                        if p.kind is p.KEYWORD_ONLY and p.name != "out")
 
 
 class LogitsCall:
