@@ -151,8 +151,8 @@ def cost_specs() -> list[ServerSpec]:
 
 def warm_every_shape(servers: dict, prefixes: dict, vocab: int) -> dict:
     """Each timed shape once on every server, untimed; seconds per server. On a cold JIT cache the first request
-    of a shape compiles kernels for it (minutes on Flash's dimensions: a start-up on a cold cache captured one
-    decode batch size about every 186 s on an H200), which no timed visit may include: a decode visit is the
+    of a shape compiles kernels for it (minutes on Flash's dimensions: on a cold cache an H200 server was still
+    capturing its first decode batch size after 4 minutes), which no timed visit may include: a decode visit is the
     difference of two requests, so a compile in the first would come out as a negative step."""
     spent = dict.fromkeys(servers, 0.0)
     for name, url in servers.items():
