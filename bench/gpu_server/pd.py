@@ -106,15 +106,17 @@ class Pair:
         return out
 
 
-def start_pair(tag: str, switches: dict, models_root: Path, tokenizer: Path, log_dir: Path) -> Pair:
-    """Start a prefill and a decode of ``tiny`` over NIXL (not waited for)."""
+def start_pair(tag: str, switches: dict, models_root: Path, tokenizer: Path, log_dir: Path,
+               mem_fraction: float | None = None) -> Pair:
+    """Start a prefill and a decode of ``tiny`` over NIXL (not waited for); ``mem_fraction`` overrides the share."""
     boot = free_port()
     pd_args = ["--disaggregation-transfer-backend", "nixl", "--disaggregation-bootstrap-port", str(boot)]
     started: list[Started] = []
     try:
         for mode in ("prefill", "decode"):
             spec = ServerSpec(f"{mode}{tag}", "tiny", "dsv4", graphs=False, tokenizer=tokenizer,
-                              extra_args=["--disaggregation-mode", mode, *pd_args], extra_env={**PAIR_ENV, **switches})
+                              extra_args=["--disaggregation-mode", mode, *pd_args], extra_env={**PAIR_ENV, **switches},
+                              **({} if mem_fraction is None else {"mem_fraction": mem_fraction}))
             started.append(start(spec, models_root, log_dir))
     except BaseException:
         for s in started:
@@ -214,7 +216,8 @@ def patch_sglang() -> dict:
     return done
 
 
-def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict, out: dict) -> None:
+def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict, out: dict,
+        mem_fraction: float | None = None) -> None:
     """Start both pairs, serve the first, run the scenarios in order (``out`` filled as each ends), stop all;
     ``servers`` gets every launch line. A first pair that does not serve ends the run with its error."""
     work = log_dir / "work"
@@ -225,7 +228,7 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
     waiting = ThreadPoolExecutor(2)
     try:
         for tag, switches in (("", {}), ("_hardening_off", HARDENING_OFF)):
-            pairs.append(start_pair(tag, switches, models_root, tokenizer, log_dir))
+            pairs.append(start_pair(tag, switches, models_root, tokenizer, log_dir, mem_fraction))
             pairs[-1].healthy = waiting.submit(wait_healthy, pairs[-1].started, startup_timeout)
         fixed, off = pairs
         serve(fixed, log_dir)

@@ -13,6 +13,7 @@ again, a second pair with a fix off) and fills the same record.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -28,7 +29,8 @@ from bench.gpu_server.servers import Started, launch_line, log_tail, start, wait
 
 SETS = {"serve": (scenarios.serve_specs, scenarios.run_serve), "cost": (scenarios.cost_specs, scenarios.run_cost),
         "hicache": (hicache.specs, hicache.run)}
-# Sets that start their own processes: run(models_root, log_dir, startup_timeout, servers record, results)
+# Sets that start their own processes: run(models_root, log_dir, startup_timeout, servers record, results,
+# mem_fraction=None)
 OWN_PROCESSES = {"pd": pd.run}
 VERSIONS_PY = (
     "import json, importlib.metadata as m\n"
@@ -98,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="once the servers are healthy, wait until this file exists before the scenarios (a GPU "
                          "shared with another job until then: timings are taken on a quiet GPU, startup is not)")
     ap.add_argument("--after-timeout", type=float, default=900.0, help="seconds to wait for --after at most")
+    ap.add_argument("--mem-fraction", type=float, default=None,
+                    help="every server's --mem-fraction-static instead of its set's own: a set started beside "
+                         "servers that are still loading or capturing needs a share that covers their growth")
     args = ap.parse_args(argv)
 
     signal.signal(signal.SIGTERM, _stop_on_sigterm)  # a bounded run still stops its servers and writes its JSON
@@ -116,10 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         record["results"] = {}
         if args.set in OWN_PROCESSES:
             OWN_PROCESSES[args.set](args.bundle / "models", log_dir, args.startup_timeout, record["servers"],
-                                    record["results"])
+                                    record["results"], mem_fraction=args.mem_fraction)
         else:
             make_specs, run_set = SETS[args.set]
             specs = [s for s in make_specs() if not args.only or s.name in args.only.split(",")]
+            if args.mem_fraction is not None:
+                specs = [dataclasses.replace(s, mem_fraction=args.mem_fraction) for s in specs]
             started = [start(s, args.bundle / "models", log_dir) for s in specs]
             wait_healthy(started, args.startup_timeout)
             record["servers"] = {s.spec.name: {"launch": launch_line(s), "healthy_after_s": s.healthy_after_s}

@@ -150,18 +150,32 @@ def cost_specs() -> list[ServerSpec]:
 
 
 def warm_every_shape(servers: dict, prefixes: dict, vocab: int) -> dict:
-    """Each timed shape once on every server, untimed; seconds per server. On a cold JIT cache the first request
+    """Each timed shape once on every server, untimed by the cost figures: on a cold JIT cache the first request
     of a shape compiles kernels for it (minutes on Flash's dimensions: on a cold cache an H200 server was still
-    capturing its first decode batch size after 4 minutes), which no timed visit may include: a decode visit is the
-    difference of two requests, so a compile in the first would come out as a negative step."""
-    spent = dict.fromkeys(servers, 0.0)
+    capturing its first decode batch size after 4 minutes), which no timed visit may include (a decode visit is
+    the difference of two requests, so a compile in the first would come out as a negative step). Kept per shape
+    in ms, so that each can be held against the same shape's steady state (scenario e on Flash's dimensions)."""
+    first: dict = {name: {} for name in servers}
     for name, url in servers.items():
         for i, length in enumerate(PREFILL_POINTS):
-            spent[name] += traffic.generate(url, [traffic.prompt(40000 + i, length, vocab)], 1)[0]
+            first[name][f"prefill {length}"] = traffic.generate(url, [traffic.prompt(40000 + i, length, vocab)], 1)[0] * 1e3
         for i, (batch, ctx) in enumerate(DECODE_POINTS):
             ids = traffic.prompts(900000 + 10 * i, batch, ctx, vocab, prefix=prefixes[ctx])
-            spent[name] += traffic.generate(url, ids, DECODE_SHORT + DECODE_STEPS)[0]
-    return {name: round(t, 1) for name, t in spent.items()}
+            first[name][f"decode {batch}x{ctx}"] = traffic.generate(url, ids, DECODE_SHORT + DECODE_STEPS)[0] * 1e3
+    return {name: {shape: round(ms, 1) for shape, ms in shapes.items()} for name, shapes in first.items()}
+
+
+def first_vs_steady(first: dict, decode: dict, prefill: dict) -> dict:
+    """Each server's first request of a shape over the median of the same request's timed visits."""
+    out: dict = {}
+    for name, shapes in first.items():
+        for shape, ms in shapes.items():
+            kind, point = shape.split(" ")
+            visits = (prefill.get(point, {}).get(name, {}).get("visits_ms") if kind == "prefill"
+                      else decode.get(point, {}).get(name, {}).get("long_visits_ms"))
+            if visits:
+                out.setdefault(name, {})[shape] = round(ms / statistics.median(visits), 2)
+    return out
 
 
 def _abba(names: list[str]) -> list[str]:
@@ -181,7 +195,7 @@ def run_cost(servers: dict, logs: dict | None = None, work_dir=None, out: dict |
     for ctx, prefix in prefixes.items():  # every server caches the same prefix before any timing
         for name in names:
             traffic.generate(servers[name], [prefix + traffic.prompt(1, TAIL, vocab)], 1)
-    result["warm_s"] = warm_every_shape(servers, prefixes, vocab)
+    result["first_ms"] = first = warm_every_shape(servers, prefixes, vocab)
     for i, length in enumerate(PREFILL_POINTS):
         visits = {n: [] for n in names}
         for rep in range(2):
@@ -192,6 +206,7 @@ def run_cost(servers: dict, logs: dict | None = None, work_dir=None, out: dict |
                                 for n, v in visits.items()}
     for i, (batch, ctx) in enumerate(DECODE_POINTS):
         visits: dict = {n: [] for n in names}
+        long_visits: dict = {n: [] for n in names}
         for v, name in enumerate(_abba(names)):
             seed = 1000 * i + 10 * v
             ids_s = traffic.prompts(seed, batch, ctx, vocab, prefix=prefixes[ctx])
@@ -199,9 +214,12 @@ def run_cost(servers: dict, logs: dict | None = None, work_dir=None, out: dict |
             t_s, _ = traffic.generate(servers[name], ids_s, DECODE_SHORT)
             t_l, _ = traffic.generate(servers[name], ids_l, DECODE_SHORT + DECODE_STEPS)
             visits[name].append((t_l - t_s) / DECODE_STEPS * 1e3)
-        decode[f"{batch}x{ctx}"] = {n: {"step_ms": round(statistics.mean(v), 3), "visits_ms": [round(x, 3) for x in v]}
+            long_visits[name].append(t_l * 1e3)
+        decode[f"{batch}x{ctx}"] = {n: {"step_ms": round(statistics.mean(v), 3), "visits_ms": [round(x, 3) for x in v],
+                                        "long_visits_ms": [round(x, 1) for x in long_visits[n]]}
                                     for n, v in visits.items()}
     result["ratios"] = ratios(decode, prefill)
+    result["first_vs_steady"] = first_vs_steady(first, decode, prefill)
     result["indexer_share"] = shares
     if work_dir is not None:  # after the timed visits: a profile window slows the step it records
         for batch, ctx in PROFILE_POINTS:

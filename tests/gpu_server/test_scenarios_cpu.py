@@ -142,7 +142,11 @@ def test_cost_visits_every_server_in_abba_order_and_reads_a_profile(monkeypatch,
     # and the prefill visits (2 rounds of ABBA)
     start = len(urls) + 2 * len(urls) + 2 * 6
     assert visits[len(urls):3 * len(urls)] == [url for url in urls.values() for _ in range(2)]
-    assert set(res["warm_s"]) == set(urls)
+    assert set(res["first_ms"]) == set(urls)
+    assert set(res["first_ms"]["dsv4_bf16"]) == {"prefill 200", "decode 2x300"}
+    # each shape's first request against the same request's timed visits
+    assert set(res["first_vs_steady"]["dsv4_bf16"]) == {"prefill 200", "decode 2x300"}
+    assert len(res["decode"]["2x300"]["dsv4_bf16"]["long_visits_ms"]) == 2
     decode_visits = visits[start:start + 12:2]  # the short call of each decode visit
     assert decode_visits == [urls[n] for n in ("dsv4_bf16", "sglang_tilelang", "sglang_deepgemm",
                                                 "sglang_deepgemm", "sglang_tilelang", "dsv4_bf16")]
