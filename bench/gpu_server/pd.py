@@ -19,7 +19,8 @@ tokenizer without them.
 
 Scenarios, in this order (the destructive ones last), each recorded in the results as it ends; an exception is
 its ``error``, and it is ``skipped`` when a process of its pair is dead or when less than it needs is left of
-``DSV4_GPU_PD_SECONDS`` (default 480) counted from the first pair serving:
+``DSV4_GPU_PD_SECONDS`` (default 480) counted from the first pair serving (``DSV4_GPU_PD_SCENARIOS``, comma-separated
+names, runs only those: a later run can take what an earlier run's budget left out):
 
 - ``a_abort_storm``: ``dsv4-sm120 storm-client``'s 80 sessions cut 3 times through the router, prompts of ~2,700
   tokens (past the 2,048 after which the top-512 selection is active), then a fresh request, /health on every
@@ -64,6 +65,8 @@ KILL_AFTER_S, RELEASE_S, KILL_STORM_S, DECODE_RESTART_S, SERVE_AGAIN_S = 6.0, 90
 HARDENING_OFF_TIMEOUT_S = 20.0
 CHAT_TIMEOUT_S, ROUTER_S, SERVING_S = 60.0, 60.0, 120.0  # a chat and a settle; the router up; its first chat
 BUDGET_S = float(os.environ.get("DSV4_GPU_PD_SECONDS", "480"))
+# Scenario names to run (comma-separated; default all): a later run can take one that an earlier run's budget left out
+ONLY = {n for n in os.environ.get("DSV4_GPU_PD_SCENARIOS", "").split(",") if n}
 NEEDS_S = {"a_abort_storm": 90, "b_hostile_frames": 30, "c_pd_checksum": 20, "d_decode_killed": 150,
            "b_hostile_frames_hardening_off": 60}
 
@@ -151,6 +154,9 @@ def _log_lines(proc, *needles: str, since: int = 0, keep: int = 8) -> list[str]:
 def _scenario(out: dict, name: str, pair: Pair, deadline: float, body) -> None:
     """``body(res)`` fills ``out[name]``; its exception becomes the scenario's error (the next one still runs)."""
     dead, left = pair.cluster.servers.dead(), deadline - time.monotonic()
+    if ONLY and name not in ONLY:
+        out[name] = {"skipped": "not in DSV4_GPU_PD_SCENARIOS"}
+        return
     if dead:
         out[name] = {"skipped": f"dead before it: {dead}"}
         return
@@ -235,6 +241,8 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
         since = checks.dsv4_counters(fixed.cluster)
         deadline = time.monotonic() + BUDGET_S
         out["budget_s"] = BUDGET_S
+        if ONLY:
+            out["scenarios_run"] = sorted(ONLY)
         _scenario(out, "a_abort_storm", fixed, deadline, lambda res: abort_storm(fixed, work, res))
         _scenario(out, "b_hostile_frames", fixed, deadline, lambda res: hostile_frames(fixed, res, CHAT_TIMEOUT_S))
         _scenario(out, "c_pd_checksum", fixed, deadline, lambda res: pd_checksum(fixed, since, res))
