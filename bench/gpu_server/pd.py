@@ -19,7 +19,7 @@ tokenizer without them.
 
 Scenarios, in this order (the destructive ones last), each recorded in the results as it ends; an exception is
 its ``error``, and it is ``skipped`` when a process of its pair is dead or when less than it needs is left of
-``DSV4_GPU_PD_SECONDS`` (default 480) counted from the first pair serving (``DSV4_GPU_PD_SCENARIOS``, comma-separated
+``DSV4_GPU_PD_SECONDS`` (default 720; on an H200 the five took ~650 s) counted from the first pair serving (``DSV4_GPU_PD_SCENARIOS``, comma-separated
 names, runs only those: a later run can take what an earlier run's budget left out):
 
 - ``a_abort_storm``: ``dsv4-sm120 storm-client``'s 80 sessions cut 3 times through the router, prompts of ~2,700
@@ -61,13 +61,16 @@ STORM_S = 300.0  # the whole storm client: a baseline probe and three rounds, ea
 LONG_REQUESTS, LONG_MAX_TOKENS, LONG_TIMEOUT_S = 16, 32, 120.0
 KILL_CLIENT = ("--cancel-after", "10", "--prompt-words", str(PROMPT_WORDS), "--storm-max-tokens", "4096",
                "--deadline", "15")
-KILL_AFTER_S, RELEASE_S, KILL_STORM_S, DECODE_RESTART_S, SERVE_AGAIN_S = 6.0, 90.0, 60.0, 240.0, 60.0
+# A chat through the router after the decode is back takes up to 3 minutes: the router checks a worker's health
+# every 60 s by default, and on an H200 a new decode that answered /health 48 s after its start was still
+# refused by the router ("all circuits open or unhealthy") 60 s later.
+KILL_AFTER_S, RELEASE_S, KILL_STORM_S, DECODE_RESTART_S, SERVE_AGAIN_S = 6.0, 90.0, 60.0, 240.0, 180.0
 HARDENING_OFF_TIMEOUT_S = 20.0
 CHAT_TIMEOUT_S, ROUTER_S, SERVING_S = 60.0, 60.0, 120.0  # a chat and a settle; the router up; its first chat
-BUDGET_S = float(os.environ.get("DSV4_GPU_PD_SECONDS", "480"))
+BUDGET_S = float(os.environ.get("DSV4_GPU_PD_SECONDS", "720"))
 # Scenario names to run (comma-separated; default all): a later run can take one that an earlier run's budget left out
 ONLY = {n for n in os.environ.get("DSV4_GPU_PD_SCENARIOS", "").split(",") if n}
-NEEDS_S = {"a_abort_storm": 90, "b_hostile_frames": 30, "c_pd_checksum": 20, "d_decode_killed": 150,
+NEEDS_S = {"a_abort_storm": 90, "b_hostile_frames": 30, "c_pd_checksum": 20, "d_decode_killed": 240,
            "b_hostile_frames_hardening_off": 60}
 
 PAIR_ENV = {"DSV4_SM120_INDEX_K_CHECKSUM": "1", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "30",
@@ -236,6 +239,7 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
         for tag, switches in (("", {}), ("_hardening_off", HARDENING_OFF)):
             pairs.append(start_pair(tag, switches, models_root, tokenizer, log_dir, mem_fraction))
             pairs[-1].healthy = waiting.submit(wait_healthy, pairs[-1].started, startup_timeout)
+            servers.update(pairs[-1].launches())  # now: a run stopped while it stops its servers keeps them
         fixed, off = pairs
         serve(fixed, log_dir)
         since = checks.dsv4_counters(fixed.cluster)

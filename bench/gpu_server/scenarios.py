@@ -133,6 +133,7 @@ def compare(grid: dict, a: str, b: str) -> dict:
 DECODE_POINTS = [(b, ctx) for ctx in (32768, 4096) for b in (8, 64, 1)]  # the long context first
 PREFILL_POINTS = [4096, 16384]
 PROFILE_POINTS = [(1, 32768), (8, 32768), (64, 32768), (64, 4096)]
+PROFILE_TOKENS = 1024
 DECODE_SHORT, DECODE_STEPS = 8, 64
 TAIL = 32  # each decode prompt: the shared context prefix plus a tail of its own
 
@@ -184,8 +185,11 @@ def _abba(names: list[str]) -> list[str]:
 
 def run_cost(servers: dict, logs: dict | None = None, work_dir=None, out: dict | None = None) -> dict:
     """Decode step (ms) at batch 1/8/64 x context 4k/32k and prefill (ms) of 4k/16k, each server visited in
-    ABBA order per point (the mean of its two visits); step = (T(short + STEPS) - T(short)) / STEPS on a
-    batch whose context prefix is cached, so prefill cancels out."""
+    ABBA order per point (the mean of its two visits). A decode visit streams one batch whose context prefix
+    is cached; its step is the time from each prompt's ``DECODE_SHORT``-th token to its last over the
+    ``DECODE_STEPS`` tokens between (the median prompt), so prefill is outside it. Timing the difference of
+    two requests instead carried each request's own extend: on an H200 that gave steps from -8 to +12 ms
+    for one point."""
     cfg = models.config("flash12")
     vocab = cfg["vocab_size"]
     names = list(servers)
@@ -208,13 +212,10 @@ def run_cost(servers: dict, logs: dict | None = None, work_dir=None, out: dict |
         visits: dict = {n: [] for n in names}
         long_visits: dict = {n: [] for n in names}
         for v, name in enumerate(_abba(names)):
-            seed = 1000 * i + 10 * v
-            ids_s = traffic.prompts(seed, batch, ctx, vocab, prefix=prefixes[ctx])
-            ids_l = traffic.prompts(seed + 1, batch, ctx, vocab, prefix=prefixes[ctx])
-            t_s, _ = traffic.generate(servers[name], ids_s, DECODE_SHORT)
-            t_l, _ = traffic.generate(servers[name], ids_l, DECODE_SHORT + DECODE_STEPS)
-            visits[name].append((t_l - t_s) / DECODE_STEPS * 1e3)
-            long_visits[name].append(t_l * 1e3)
+            ids = traffic.prompts(1000 * i + 10 * v, batch, ctx, vocab, prefix=prefixes[ctx])
+            seconds, arrivals = traffic.stream_token_times(servers[name], ids, DECODE_SHORT + DECODE_STEPS)
+            visits[name].append(traffic.step_seconds(arrivals, DECODE_SHORT) * 1e3)
+            long_visits[name].append(seconds * 1e3)
         decode[f"{batch}x{ctx}"] = {n: {"step_ms": round(statistics.mean(v), 3), "visits_ms": [round(x, 3) for x in v],
                                         "long_visits_ms": [round(x, 1) for x in long_visits[n]]}
                                     for n, v in visits.items()}
@@ -277,7 +278,7 @@ def kernel_shares(trace_path) -> dict:
 
 
 def profile_decode(url: str, out_dir, name: str, batch: int, ctx: int, prefix: list[int], vocab: int,
-                   steps: int = 4, timeout: float = 120) -> dict:
+                   steps: int = 4, timeout: float = 60) -> dict:
     """Profile ``steps`` decode steps of a running batch on one server; the kernel shares of that window."""
     import threading
     from pathlib import Path
@@ -285,7 +286,9 @@ def profile_decode(url: str, out_dir, name: str, batch: int, ctx: int, prefix: l
     out_dir = Path(out_dir) / name
     out_dir.mkdir(parents=True, exist_ok=True)
     ids = traffic.prompts(424242 + batch, batch, ctx, vocab, prefix=prefix)
-    worker = threading.Thread(target=traffic.generate, args=(url, ids, 96), daemon=True)
+    # Long enough to still decode when the profile starts: 96 tokens of one request at 32k were over (3 ms a
+    # step on an H200) before it did, and the profiler then waited for steps that never came.
+    worker = threading.Thread(target=traffic.generate, args=(url, ids, PROFILE_TOKENS), daemon=True)
     worker.start()
     time.sleep(1.0)  # the batch's short prefill is over; it decodes
     body = {"output_dir": str(out_dir), "num_steps": steps, "activities": ["GPU"], "profile_id": name}

@@ -70,6 +70,53 @@ def generate(url: str, input_ids: list[list[int]], max_new_tokens: int, *, timeo
     return seconds, out if isinstance(out, list) else [out]
 
 
+def stream_token_times(url: str, input_ids: list[list[int]], max_new_tokens: int, *,
+                       timeout: float = 600) -> tuple[float, list[dict[int, float]]]:
+    """(seconds, per prompt {completion tokens: arrival time}) of a greedy batch streamed as one ``/generate``
+    call: sglang sends each prompt's chunks tagged with its ``index`` and the tokens it has completed so far
+    (several at once when the server coalesces), so a decode step is read off the arrivals of one stream,
+    without the prefill that a difference of two requests carries."""
+    body = {
+        "input_ids": input_ids, "stream": True,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+    }
+    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    arrivals: list[dict[int, float]] = [{} for _ in input_ids]
+    t0 = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            for line in resp:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                now = time.perf_counter()
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RequestFailed(f"{url}/generate streamed an error: {chunk['error']}")
+                done = (chunk.get("meta_info") or {}).get("completion_tokens")
+                if done is not None:
+                    arrivals[chunk.get("index", 0)].setdefault(int(done), now)
+    except urllib.error.HTTPError as exc:
+        raise RequestFailed(f"{url}/generate answered {exc.code}: {exc.read()[:2000]!r}") from exc
+    except (urllib.error.URLError, OSError) as exc:
+        raise RequestFailed(f"{url}/generate: {exc}") from exc
+    return time.perf_counter() - t0, arrivals
+
+
+def step_seconds(arrivals: list[dict[int, float]], skip: int) -> float:
+    """The decode step of a streamed batch: per prompt, the time from its ``skip``-th token to its last over
+    the tokens between; the median over prompts."""
+    per_prompt = []
+    for times in arrivals:
+        counts = sorted(c for c in times if c >= skip)
+        if len(counts) >= 2 and counts[-1] > counts[0]:
+            per_prompt.append((times[counts[-1]] - times[counts[0]]) / (counts[-1] - counts[0]))
+    if not per_prompt:
+        raise ValueError(f"no prompt streamed two token counts from {skip} on")
+    per_prompt.sort()
+    return per_prompt[len(per_prompt) // 2]
+
+
 def output_ids(result: dict) -> list[int]:
     return list(result.get("output_ids") or [])
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -20,7 +21,7 @@ import pytest
 from bench.gpu_server import models, scenarios, traffic
 
 
-def _serve(tokens_of, topk_of, stall_after=None):
+def _serve(tokens_of, topk_of, stall_after=None, step_s=0.0):
     calls = {"n": 0}
     stalled = threading.Event()
 
@@ -39,10 +40,21 @@ def _serve(tokens_of, topk_of, stall_after=None):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             n = body["sampling_params"]["max_new_tokens"]
-            if body.get("stream"):  # a streaming client that goes away after the first bytes
+            if body.get("stream"):  # sglang's batch stream: one chunk per prompt and token, tagged with its index
+                prompts = body["input_ids"] if isinstance(body["input_ids"][0], list) else [body["input_ids"]]
                 self.send_response(200)
                 self.end_headers()
-                self.wfile.write(b"data: {}\n\n")
+                try:
+                    for done in range(1, n + 1):
+                        for index, ids in enumerate(prompts):
+                            chunk = {"index": index, "output_ids": tokens_of(ids, done),
+                                     "meta_info": {"completion_tokens": done}}
+                            self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                        self.wfile.flush()
+                        time.sleep(step_s)
+                    self.wfile.write(b"data: [DONE]\n\n")
+                except (BrokenPipeError, ConnectionResetError):  # a client gone mid-stream
+                    pass
                 return
             if stall_after is not None and calls["n"] >= stall_after:  # a scheduler that stopped making progress
                 stalled.wait(5)
@@ -121,17 +133,23 @@ def test_cost_visits_every_server_in_abba_order_and_reads_a_profile(monkeypatch,
 
     monkeypatch.setattr(scenarios, "DECODE_POINTS", [(2, 300)])
     monkeypatch.setattr(scenarios, "PREFILL_POINTS", [200])
-    monkeypatch.setattr(scenarios, "DECODE_STEPS", 4)
+    monkeypatch.setattr(scenarios, "DECODE_STEPS", 6)
     visits = []
     monkeypatch.setattr(scenarios.traffic, "prompt", lambda seed, n, vocab: [2] * n)
-    real_generate = traffic.generate
+    real_generate, real_stream = traffic.generate, traffic.stream_token_times
 
     def counted(url, ids, n, **kw):
-        visits.append(url)
+        visits.append(("generate", url))
         return real_generate(url, ids, n, **kw)
 
+    def streamed(url, ids, n, **kw):
+        visits.append(("stream", url))
+        return real_stream(url, ids, n, **kw)
+
     monkeypatch.setattr(scenarios.traffic, "generate", counted)
-    started = {name: _serve(_tokens(0), _topk(0)) for name in ("dsv4_bf16", "sglang_tilelang", "sglang_deepgemm")}
+    monkeypatch.setattr(scenarios.traffic, "stream_token_times", streamed)
+    steps = {"dsv4_bf16": 0.04, "sglang_tilelang": 0.02, "sglang_deepgemm": 0.02}  # seconds a decode step
+    started = {name: _serve(_tokens(0), _topk(0), step_s=step) for name, step in steps.items()}
     try:
         urls = {name: url for name, (_, url) in started.items()}
         res = scenarios.run_cost(urls)
@@ -139,18 +157,21 @@ def test_cost_visits_every_server_in_abba_order_and_reads_a_profile(monkeypatch,
         for server, _ in started.values():
             server.shutdown()
     # after each server cached the prefix, met every shape once untimed (one prefill, one decode point here)
-    # and the prefill visits (2 rounds of ABBA)
+    # and the prefill visits (2 rounds of ABBA), each decode visit is one streamed batch
     start = len(urls) + 2 * len(urls) + 2 * 6
-    assert visits[len(urls):3 * len(urls)] == [url for url in urls.values() for _ in range(2)]
+    assert [u for _, u in visits[len(urls):3 * len(urls)]] == [url for url in urls.values() for _ in range(2)]
     assert set(res["first_ms"]) == set(urls)
     assert set(res["first_ms"]["dsv4_bf16"]) == {"prefill 200", "decode 2x300"}
     # each shape's first request against the same request's timed visits
     assert set(res["first_vs_steady"]["dsv4_bf16"]) == {"prefill 200", "decode 2x300"}
     assert len(res["decode"]["2x300"]["dsv4_bf16"]["long_visits_ms"]) == 2
-    decode_visits = visits[start:start + 12:2]  # the short call of each decode visit
-    assert decode_visits == [urls[n] for n in ("dsv4_bf16", "sglang_tilelang", "sglang_deepgemm",
-                                                "sglang_deepgemm", "sglang_tilelang", "dsv4_bf16")]
+    assert visits[start:] == [("stream", urls[n]) for n in ("dsv4_bf16", "sglang_tilelang", "sglang_deepgemm",
+                                                            "sglang_deepgemm", "sglang_tilelang", "dsv4_bf16")]
     assert len(res["decode"]["2x300"]["dsv4_bf16"]["visits_ms"]) == 2
+    # the step is read off the stream: each server's own step, whatever its prefill took
+    for name, step in steps.items():
+        assert res["decode"]["2x300"][name]["step_ms"] == pytest.approx(step * 1e3, rel=0.25)
+    assert res["ratios"]["dsv4_bf16/sglang_tilelang"]["decode 2x300"] == pytest.approx(2.0, rel=0.3)
     assert set(res["ratios"]) == {"dsv4_bf16/sglang_tilelang", "dsv4_bf16/sglang_deepgemm"}
 
     trace = tmp_path / "x.trace.json.gz"
@@ -225,3 +246,11 @@ def test_run_after_waits_for_the_file_and_says_when_it_never_came(tmp_path):
     assert 1.0 <= wait_for_file(flag, timeout=30) < 10
     with pytest.raises(TimeoutError, match="did not appear within 1s"):
         wait_for_file(tmp_path / "never", timeout=1)
+
+
+def test_a_stream_step_skips_the_first_tokens_and_reads_coalesced_chunks():
+    # prompt 0: a 5 s prefill then 10 ms steps, two tokens coalesced into one chunk; prompt 1 alike
+    times = [{1: 5.0, 2: 5.01, 4: 5.03, 5: 5.04, 6: 5.05}, {1: 5.0, 3: 5.02, 4: 5.03, 6: 5.05}]
+    assert traffic.step_seconds(times, skip=2) == pytest.approx(0.01)
+    with pytest.raises(ValueError, match="no prompt streamed"):
+        traffic.step_seconds([{1: 1.0}], skip=2)
