@@ -105,7 +105,31 @@ def test_a_scenario_that_raises_is_recorded_and_one_without_time_is_skipped():
     pd._scenario(out, "a_abort_storm", pair, time.monotonic() + 1000, lambda res: res.update(x=1) or 1 / 0)
     pd._scenario(out, "d_decode_killed", pair, time.monotonic() + 10, lambda res: res.update(ran=True))
     assert out["a_abort_storm"]["x"] == 1 and out["a_abort_storm"]["error"].startswith("ZeroDivisionError")
-    assert "ran" not in out["d_decode_killed"] and "needs 150" in out["d_decode_killed"]["skipped"]
+    assert "ran" not in out["d_decode_killed"]
+    assert f"needs {pd.NEEDS_S['d_decode_killed']}" in out["d_decode_killed"]["skipped"]
+
+
+def test_only_the_named_scenarios_run(monkeypatch):
+    pair = pd.Pair("", "default", [], pd.cluster.Cluster(pd.processes.ServerSet(), front=""))
+    monkeypatch.setattr(pd, "ONLY", {"b_hostile_frames_hardening_off"})
+    out: dict = {}
+    pd._scenario(out, "a_abort_storm", pair, time.monotonic() + 1000, lambda res: res.update(ran=True))
+    pd._scenario(out, "b_hostile_frames_hardening_off", pair, time.monotonic() + 1000, lambda res: res.update(ran=True))
+    assert out["a_abort_storm"] == {"skipped": "not in DSV4_GPU_PD_SCENARIOS"}
+    assert out["b_hostile_frames_hardening_off"]["ran"]
+
+
+def test_mem_fraction_reaches_every_server_of_a_set(monkeypatch, tmp_path):
+    seen = []
+
+    def refuse(spec, models_root, log_dir):
+        seen.append(spec.mem_fraction)
+        raise RuntimeError("no GPU here")
+
+    monkeypatch.setattr(run, "start", refuse)
+    assert run.main(["cost", "--out", str(tmp_path / "c.json"), "--mem-fraction", "0.55"]) == 1
+    assert seen == [0.55]  # the first start refused; the spec it got carried the share
+    assert "no GPU here" in json.loads((tmp_path / "c.json").read_text())["error"]
 
 
 def test_the_servers_tokenizer_renders_a_storm_prompt_past_2048_tokens_in_dsv4s_chat_encoding(tmp_path):
