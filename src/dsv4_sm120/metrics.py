@@ -34,6 +34,7 @@ SPECS: dict[str, tuple] = {
     "nixl_aborts_handled_total": ("counter", "ABORT frames from the decode side handled by the NIXL prefill thread", ()),
     "nixl_rooms_tombstoned_total": ("counter", "Rooms remembered as aborted so late frames cannot reopen them", ()),
     "nixl_aborted_rooms_released_total": ("counter", "Aborted rooms no prefill sender held, dropped from the NIXL manager's tables", ()),
+    "nixl_orphan_rooms_released_total": ("counter", "Rooms no prefill request held or would clear (failed, or announced and never claimed), dropped from the NIXL manager's tables", ("reason",)),
     "nixl_rooms_failed_fast_total": ("counter", "Rooms failed at once with a reason instead of waiting for the bootstrap timeout", ("reason",)),
     "nixl_decode_told_failed_total": ("counter", "Rooms the prefill failed on its own, told to their decode (at once, or on its transfer info)", ("when",)),
     "nixl_bootstrap_threads_alive": ("gauge", "Hardened NIXL prefill bootstrap threads alive and polling", (), "livesum"),

@@ -128,6 +128,8 @@ MANIFEST: tuple[Touch, ...] = (
         "disagg",
         "Records which rooms a live prefill sender holds, so an aborted room nobody holds is dropped, not leaked.",
     ),
+    Touch("sglang.srt.environ.envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "calls", "disagg",
+          "How long a decode waits for a room: after it and the bootstrap timeout, a room no request claimed is released."),
     Touch("sglang.srt.disaggregation.common.conn.CommonKVManager._room_notify_targets", "calls", "disagg",
           "The decode endpoints of a room the prefill failed on its own, to tell them (tell_decode)."),
     Touch("sglang.srt.disaggregation.common.conn.CommonKVManager.conclude_failure", "calls", "disagg",

@@ -183,6 +183,74 @@ def test_aborted_room_no_sender_holds_is_released_not_leaked(pd):
     assert pd.run([s], 5.0)
 
 
+@pytest.fixture(scope="module")
+def orphan_pd(make_pd):
+    """A pair of its own: these tests leave the decode side of their rooms as a killed decode leaves it."""
+    return make_pd(seed=5)
+
+
+def _bootstrapped(pd, s) -> None:
+    pd.send_metadata(s)
+    assert wait_until(lambda: s.room in pd.prefill.transfer_infos and s.room in pd.prefill.request_status, 5.0), (
+        "the transfer info never bootstrapped the room")
+
+
+def _released(pd, room: int) -> bool:
+    return room not in pd.prefill.request_status and room not in pd.prefill.transfer_infos
+
+
+def _opens_failed_late(pd, room: int) -> bool:
+    from sglang.srt.disaggregation.nixl.conn import NixlKVSender
+
+    late = NixlKVSender(pd.prefill, pd.addr, room)
+    try:
+        return late.poll() == KV_FAILED
+    finally:
+        late.clear()
+
+
+def test_a_failed_room_no_request_holds_is_released_when_its_decode_died(orphan_pd):
+    """Upstream aborts a prefill request that already bootstrapped (waiting queue, retired forward) with
+    ``sender.abort()`` and drops it without ``clear()``: the room stays Failed in the manager's tables, and
+    only the decode's ABORT got it released. Seen on an H200 PD pair: a decode killed mid-storm sends none,
+    and two rooms stayed on the prefill for good."""
+    import gc
+    import time
+
+    from dsv4_sm120.disagg import bootstrap
+
+    pd = orphan_pd
+    s = pd.open()
+    _bootstrapped(pd, s)
+    s.sender.abort()
+    s.sender = None  # the request is dropped; the decode is gone, so no ABORT comes
+    gc.collect()
+    t0 = time.monotonic()
+    pd.hardening.sweep_unheld_rooms(t0)
+    assert not _released(pd, s.room), "released on the first sweep (a sender may still be opening)"
+    pd.hardening.sweep_unheld_rooms(t0 + bootstrap.SWEEP_EVERY_S)
+    assert _released(pd, s.room), "a failed room nobody holds stayed in the prefill manager's tables"
+    assert _opens_failed_late(pd, s.room)
+
+
+def test_a_room_its_decode_announced_and_no_request_claimed_is_released_after_both_timeouts(orphan_pd):
+    """The decode's transfer info came; the prefill request never did (a rebootstrap cut off by the decode's
+    death). A request may still come within the timeouts; after them, nobody will clear the room."""
+    import time
+
+    pd = orphan_pd
+    s = pd.open(prefill=False)
+    _bootstrapped(pd, s)
+    boot = pd.hardening
+    t0 = time.monotonic()
+    boot.sweep_unheld_rooms(t0)
+    boot.sweep_unheld_rooms(t0 + boot.unclaimed_after_s - 1)
+    assert not _released(pd, s.room), "released while its request may still come"
+    boot.sweep_unheld_rooms(t0 + boot.unclaimed_after_s)
+    assert _released(pd, s.room), "a room no request claimed stayed in the prefill manager's tables"
+    assert _opens_failed_late(pd, s.room)
+
+
 def _decode_reason(s) -> str:
     try:
         s.receiver.failure_exception()

@@ -43,6 +43,13 @@ SWEEP_EVERY_S = 5.0
 _MIN_PARTS = 4  # room, endpoint, port, agent name after the guard frame
 
 
+def _waiting_timeout_s() -> float:
+    """The decode's waiting timeout, from the same variable both sides read (upstream's default 300 s)."""
+    from sglang.srt.environ import envs
+
+    return float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
+
+
 def _ascii(part: bytes, what: str) -> str:
     try:
         return part.decode("ascii")
@@ -87,6 +94,11 @@ class HardenedBootstrap:
         # Room -> the prefill's live sender for it (set by the sender hook). A room no sender
         # holds has nobody to clear it from the manager's tables: see ``_abort``.
         self.senders: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+        # Room -> when a sweep first found it in the tables with no sender holding it.
+        self.unheld_since: dict[int, float] = {}
+        # A room the decode announced but no prefill request claimed is given up once both sides' timeouts
+        # are over: by then the decode has failed the request (and a live one has sent its ABORT).
+        self.unclaimed_after_s = float(getattr(mgr, "bootstrap_timeout", 300)) + _waiting_timeout_s()
 
     # -- thread -----------------------------------------------------------------------------
     def start(self) -> threading.Thread:
@@ -111,7 +123,7 @@ class HardenedBootstrap:
                 self.last_beat = time.monotonic()
                 if self.last_beat - last_sweep > SWEEP_EVERY_S:
                     last_sweep = self.last_beat
-                    self.sweep_aborted_rooms()
+                    self.sweep_unheld_rooms()
                 if not sock.poll(POLL_MS, zmq.POLLIN):
                     continue
                 frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -192,11 +204,48 @@ class HardenedBootstrap:
         self.rejects.count("aborts_handled")
         self._forget_if_unheld(notification.room)
 
-    def sweep_aborted_rooms(self) -> None:
-        """Release every aborted room whose sender is gone (it may have gone after the ABORT came)."""
-        for room in list(self.mgr.request_status):
+    def sweep_unheld_rooms(self, now: float | None = None) -> None:
+        """Release the rooms of the manager's tables that no prefill sender holds and nothing else will clear.
+
+        Upstream clears a room only through its sender. A room is left behind when (seen on an H200 PD pair:
+        two rooms for good after its decode was killed mid-storm):
+
+        * the decode aborted it: tombstoned, released as soon as no sender holds it (``_forget_if_unheld``);
+        * upstream aborted its request on the prefill (waiting queue, or a retired forward) with
+          ``sender.abort()`` and dropped the request without ``clear()``: the room stays Failed. The decode's
+          ABORT normally rescues it; a killed decode sends none. Released once two sweeps found it unheld;
+        * the decode announced it (transfer info) but no prefill request ever claimed it, e.g. a retracted
+          request's rebootstrap cut off by the decode's death: released after ``unclaimed_after_s``.
+
+        A released room is tombstoned, so a request that shows up for it late opens Failed at once.
+        """
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        now = time.monotonic() if now is None else now
+        mgr = self.mgr
+        rooms = set(mgr.request_status) | set(mgr.transfer_infos)
+        for gone in set(self.unheld_since) - rooms:
+            self.unheld_since.pop(gone, None)
+        in_flight = getattr(mgr, "_staging_outstanding", {})  # chunks still moving through staging buffers
+        for room in rooms:
             if room in self.tombstones:
                 self._forget_if_unheld(room)
+            elif room in self.senders or in_flight.get(room, 0) > 0:
+                self.unheld_since.pop(room, None)
+            else:
+                since = self.unheld_since.setdefault(room, now)
+                failed = mgr.request_status.get(room) == KVPoll.Failed
+                if now - since >= (SWEEP_EVERY_S if failed else self.unclaimed_after_s):
+                    self._release_orphan(room, "failed" if failed else "unclaimed")
+
+    def _release_orphan(self, room: int, reason: str) -> None:
+        self.tombstones.bury(room, reason=f"the prefill released this room: {reason}, no prefill request held it")
+        self.unheld_since.pop(room, None)
+        mgr = self.mgr
+        for table in (mgr.request_status, mgr.transfer_infos, mgr.req_to_decode_prefix_len, mgr.failure_records):
+            table.pop(room, None)
+        metrics.inc("nixl_orphan_rooms_released_total", reason=reason)
+        logger.info("dsv4-sm120: released NIXL room %s (%s): no prefill request held it", room, reason)
 
     def _forget_if_unheld(self, room: int) -> None:
         """Drop an aborted room from the manager's tables when no prefill sender holds it.
