@@ -239,9 +239,11 @@ class HardenedBootstrap:
                     self._release_orphan(room, "failed" if failed else "unclaimed")
 
     def _release_orphan(self, room: int, reason: str) -> None:
-        self.tombstones.bury(room, reason=f"the prefill released this room: {reason}, no prefill request held it")
-        self.unheld_since.pop(room, None)
         mgr = self.mgr
+        # A request that shows up for the room later fails with the room's own failure, when it had one.
+        failure = mgr.failure_records.get(room) or f"the prefill released this room ({reason}): no prefill request held it"
+        self.tombstones.bury(room, reason=str(failure))
+        self.unheld_since.pop(room, None)
         for table in (mgr.request_status, mgr.transfer_infos, mgr.req_to_decode_prefix_len, mgr.failure_records):
             table.pop(room, None)
         metrics.inc("nixl_orphan_rooms_released_total", reason=reason)
