@@ -35,6 +35,9 @@ and writes bench/results/indexer_h200_eager_<date>.json (or $OUT_JSON):
 
     PYTHONPATH=src COMMIT=$(git rev-parse HEAD) python bench/indexer_h200.py --eager-only
 
+On a GPU host set up from the bundle (``. env.sh``), keep its packages first: ``PYTHONPATH=src:$PYTHONPATH``
+(``PYTHONPATH=src`` alone times the host image's torch and Triton instead of the pin's).
+
 Timing: decode and target-verify run as in serving, each kernel's launches captured in one CUDA graph
 over independent page draws (at least 512 MiB of keys per replay, so no launch finds its keys in L2),
 five alternating rounds, the median; with do_bench (L2 flush before each call, host launch in the
