@@ -9,6 +9,7 @@ the same seed gives the same prompt on every server.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import random
@@ -42,12 +43,19 @@ class RequestFailed(RuntimeError):
 
 def request(url: str, path: str, body: dict | None = None, *, timeout: float = 30) -> bytes:
     """The answer of one GET (no body) or JSON POST to ``url + path``; anything but 200 raises RequestFailed."""
+    with _answer(url, path, body, timeout) as resp:
+        return resp.read()
+
+
+@contextlib.contextmanager
+def _answer(url: str, path: str, body: dict | None, timeout: float):
+    """The open answer of a GET (no body) or JSON POST; anything but 200, or a broken read, raises RequestFailed."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url + path, data=data, method="GET" if body is None else "POST",
                                  headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.read()
+            yield resp
     except urllib.error.HTTPError as exc:
         raise RequestFailed(f"{url}{path} answered {exc.code}: {exc.read()[:2000]!r}") from exc
     except (urllib.error.URLError, OSError) as exc:
@@ -80,26 +88,19 @@ def stream_token_times(url: str, input_ids: list[list[int]], max_new_tokens: int
         "input_ids": input_ids, "stream": True,
         "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
     }
-    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
     arrivals: list[dict[int, float]] = [{} for _ in input_ids]
     t0 = time.perf_counter()
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            for line in resp:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                now = time.perf_counter()
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RequestFailed(f"{url}/generate streamed an error: {chunk['error']}")
-                done = (chunk.get("meta_info") or {}).get("completion_tokens")
-                if done is not None:
-                    arrivals[chunk.get("index", 0)].setdefault(int(done), now)
-    except urllib.error.HTTPError as exc:
-        raise RequestFailed(f"{url}/generate answered {exc.code}: {exc.read()[:2000]!r}") from exc
-    except (urllib.error.URLError, OSError) as exc:
-        raise RequestFailed(f"{url}/generate: {exc}") from exc
+    with _answer(url, "/generate", body, timeout) as resp:
+        for line in resp:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            now = time.perf_counter()
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RequestFailed(f"{url}/generate streamed an error: {chunk['error']}")
+            done = (chunk.get("meta_info") or {}).get("completion_tokens")
+            if done is not None:
+                arrivals[chunk.get("index", 0)].setdefault(int(done), now)
     return time.perf_counter() - t0, arrivals
 
 

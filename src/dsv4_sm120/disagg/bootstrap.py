@@ -98,7 +98,7 @@ class HardenedBootstrap:
         self.unheld_since: dict[int, float] = {}
         # A room the decode announced but no prefill request claimed is given up once both sides' timeouts
         # are over: by then the decode has failed the request (and a live one has sent its ABORT).
-        self.unclaimed_after_s = float(getattr(mgr, "bootstrap_timeout", 300)) + _waiting_timeout_s()
+        self.unclaimed_after_s = float(mgr.bootstrap_timeout) + _waiting_timeout_s()
 
     # -- thread -----------------------------------------------------------------------------
     def start(self) -> threading.Thread:
@@ -244,8 +244,7 @@ class HardenedBootstrap:
         failure = mgr.failure_records.get(room) or f"the prefill released this room ({reason}): no prefill request held it"
         self.tombstones.bury(room, reason=str(failure))
         self.unheld_since.pop(room, None)
-        for table in (mgr.request_status, mgr.transfer_infos, mgr.req_to_decode_prefix_len, mgr.failure_records):
-            table.pop(room, None)
+        self._drop(room)
         metrics.inc("nixl_orphan_rooms_released_total", reason=reason)
         logger.info("dsv4-sm120: released NIXL room %s (%s): no prefill request held it", room, reason)
 
@@ -261,13 +260,16 @@ class HardenedBootstrap:
         """
         if room in self.senders:
             return
-        mgr = self.mgr
-        if room in mgr.request_status or room in mgr.transfer_infos:
+        if self._drop(room):
             metrics.inc("nixl_aborted_rooms_released_total")
-        mgr.request_status.pop(room, None)
-        mgr.transfer_infos.pop(room, None)
-        mgr.req_to_decode_prefix_len.pop(room, None)
-        mgr.failure_records.pop(room, None)
+
+    def _drop(self, room: int) -> bool:
+        """Remove ``room`` from every table of the manager that keys on it; whether it held a room or its info."""
+        mgr = self.mgr
+        held = room in mgr.request_status or room in mgr.transfer_infos
+        for table in (mgr.request_status, mgr.transfer_infos, mgr.req_to_decode_prefix_len, mgr.failure_records):
+            table.pop(room, None)
+        return held
 
     def _register(self, body: list, agent: str) -> None:
         from sglang.srt.disaggregation.nixl.conn import KVArgsRegisterInfo
