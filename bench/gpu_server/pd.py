@@ -49,8 +49,8 @@ from pathlib import Path
 
 from bench.gpu_server.servers import ServerSpec, Started, e2e, free_port, launch_line, processes, start, wait_healthy
 
-checks, cluster, decode_kill, hostile, storm, tiny_model = (
-    e2e(name) for name in ("checks", "cluster", "decode_kill", "hostile", "storm", "tiny_model"))
+checks, cluster, decode_kill, hostile, scrape, storm, tiny_model = (
+    e2e(name) for name in ("checks", "cluster", "decode_kill", "hostile", "scrape", "storm", "tiny_model"))
 
 CLI = [sys.executable, "-m", "dsv4_sm120.cli"]  # dsv4-sm120: the bundle carries the package, not its console script
 PROMPT_WORDS = 700  # ~2,700 tokens in DeepSeek-V4's chat encoding with the tokenizer below
@@ -76,6 +76,8 @@ NEEDS_S = {"a_abort_storm": 90, "b_hostile_frames": 30, "c_pd_checksum": 20, "d_
 PAIR_ENV = {"DSV4_SM120_INDEX_K_CHECKSUM": "1", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "30",
             "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "30"}
 HARDENING_OFF = {"DSV4_SM120_NIXL_HARDENING": "0"}
+OFF_SCENARIO = "b_hostile_frames_hardening_off"
+ROOM_RELEASES = ("sglang:dsv4_nixl_aborted_rooms_released_total", "sglang:dsv4_nixl_orphan_rooms_released_total")
 PD_CHECKSUM = ("sglang:dsv4_index_k_pd_pages_checked_total", "sglang:dsv4_index_k_pd_mismatches_total",
                "sglang:dsv4_index_k_pd_rooms_failed_total")
 DSV4_IMAGE_TOKEN = "<｜deepseek_image｜>"  # sglang's spelling (parser/deepseek_recipe_renderer.py IMAGE_TOKEN)
@@ -209,10 +211,23 @@ def pd_checksum(pair: Pair, since: dict, res: dict) -> None:
                           for p in (c.prefill, c.decode)})
 
 
+def _room_releases(proc) -> dict[str, float]:
+    """The prefill's room-release counters by reason: the decode's ABORTs and the sweep of rooms nobody holds."""
+    out: dict[str, float] = {}
+    for name, labels, value in scrape.metrics(proc.url):
+        if name in ROOM_RELEASES:
+            key = f"{name}{{{labels.get('reason', '')}}}"
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
 def decode_killed(pair: Pair, work: Path, res: dict) -> None:
+    before = _room_releases(pair.cluster.prefill)
     res.update(decode_kill.kill_decode_mid_storm(CLI, pair.cluster, work / "storm_decode_killed.json", KILL_CLIENT,
                                                  KILL_AFTER_S, DECODE_RESTART_S, release_s=RELEASE_S,
                                                  storm_s=KILL_STORM_S, serve_s=SERVE_AGAIN_S))
+    after = _room_releases(pair.cluster.prefill)
+    res["prefill_room_releases"] = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(set(before) | set(after))}
 
 
 def patch_sglang() -> dict:
@@ -236,11 +251,12 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
     pairs: list[Pair] = []
     waiting = ThreadPoolExecutor(2)
     try:
-        for tag, switches in (("", {}), ("_hardening_off", HARDENING_OFF)):
+        wanted = [("", {})] + ([] if ONLY and OFF_SCENARIO not in ONLY else [("_hardening_off", HARDENING_OFF)])
+        for tag, switches in wanted:  # the second pair only when its scenario runs
             pairs.append(start_pair(tag, switches, models_root, tokenizer, log_dir, mem_fraction))
             pairs[-1].healthy = waiting.submit(wait_healthy, pairs[-1].started, startup_timeout)
             servers.update(pairs[-1].launches())  # now: a run stopped while it stops its servers keeps them
-        fixed, off = pairs
+        fixed, off = pairs[0], pairs[-1]
         serve(fixed, log_dir)
         since = checks.dsv4_counters(fixed.cluster)
         deadline = time.monotonic() + BUDGET_S
@@ -256,7 +272,7 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
             serve(off, log_dir)
             hostile_frames(off, res, HARDENING_OFF_TIMEOUT_S)
 
-        _scenario(out, "b_hostile_frames_hardening_off", off, deadline, hardening_off)
+        _scenario(out, OFF_SCENARIO, off, deadline, hardening_off)
     finally:
         for pair in pairs:
             pair.cluster.stop()

@@ -99,6 +99,17 @@ def test_run_pd_records_every_scenario_on_standins(standins, tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+def test_a_run_of_the_decode_kill_alone_starts_one_pair_and_records_its_room_releases(standins, monkeypatch, tmp_path):
+    monkeypatch.setattr(pd, "ONLY", {"d_decode_killed"})
+    out = tmp_path / "pd.json"
+    assert run.main(["pd", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"]) == 0
+    record = json.loads(out.read_text())
+    assert set(record["servers"]) == {"prefill", "decode", "router"}  # no idle hardening-off pair on the GPU
+    killed = record["results"]["d_decode_killed"]
+    assert killed["request_after_new_decode"] == 200 and isinstance(killed["prefill_room_releases"], dict)
+    assert record["results"]["b_hostile_frames_hardening_off"] == {"skipped": "not in DSV4_GPU_PD_SCENARIOS"}
+
+
 def test_a_scenario_that_raises_is_recorded_and_one_without_time_is_skipped():
     pair = pd.Pair("", "default", [], pd.cluster.Cluster(pd.processes.ServerSet(), front=""))
     out: dict = {}
