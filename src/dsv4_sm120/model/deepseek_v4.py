@@ -53,13 +53,55 @@ class BF16C4Indexer(C4Indexer):
                 skip_compressor=False, q_lora_quant=None):
         if forward_batch.forward_mode.is_idle():
             return
-        if q_lora_ready is not None:  # produced on another stream; everything here runs on the current one
-            torch.cuda.current_stream().wait_event(q_lora_ready)
         positions = attn_backend.forward_metadata.core_metadata.positions
         x, q_lora, q_lora_quant, positions = common_rows(x, q_lora, q_lora_quant, positions)
+        inputs = forward_topk_inputs(attn_backend, q_lora)
+        streams = self.alt_streams if enable_multi_stream else None
+        if streams is not None and len(streams) >= 2:
+            q, weights = self.query_beside_compressor(x, q_lora, positions, q_lora_quant, forward_batch, attn_backend,
+                                                      inputs, streams, q_lora_ready, skip_compressor)
+        else:
+            if q_lora_ready is not None:  # produced on another stream; everything here runs on the current one
+                torch.cuda.current_stream().wait_event(q_lora_ready)
+            if not skip_compressor:
+                store_index_keys(self, attn_backend, x, forward_batch)
+            q, weights = self.query(x, q_lora, positions, q_lora_quant, inputs)
+        select_topk(self, attn_backend, inputs, q, weights)
+
+    def query(self, x, q_lora, positions, q_lora_quant, inputs: "TopkInputs") -> tuple:
+        """The layer's rotated bf16 queries and scaled head weights, written into the forward's buffers."""
+        weights = self.compute_weights(x, skip_scale=True)
+        return self.compute_q(q_lora, positions, weights, q_lora_quant,
+                              out=inputs.query_out(self.n_local_heads, self.head_dim))
+
+    def query_beside_compressor(self, x, q_lora, positions, q_lora_quant, forward_batch, attn_backend,
+                                inputs: "TopkInputs", streams, q_lora_ready, skip_compressor: bool) -> tuple:
+        """Upstream's multi-stream split of the indexer, kept: the head weights on one side stream, the query on
+        another once its ``q_lora`` and the weights are ready, the key compression and bf16 store on the current
+        stream beside both, which then waits for the query.
+
+        Upstream asks for it while capturing a decode CUDA graph of up to 64 rows (128 on Blackwell). Run on one
+        stream, the compression waited for ``q_lora`` and the query for the compression: on an H200 the decode
+        step of a 12-layer model of DeepSeek-V4-Flash's dimensions took 3.7% longer than upstream's with TileLang,
+        at the same kernels and kernel time (bench/results/gpu_serving/gpu_serving_h200_2026-12-02_cost_33511c4.json).
+        """
+        current = torch.cuda.current_stream()
+        on_query, on_weights = streams[0], streams[1]
+        on_query.wait_stream(current)
+        on_weights.wait_stream(current)
+        with torch.cuda.stream(on_weights):
+            weights = self.compute_weights(x, skip_scale=True)
+            weights_ready = on_weights.record_event()
+        with torch.cuda.stream(on_query):
+            if q_lora_ready is not None:
+                on_query.wait_event(q_lora_ready)
+            on_query.wait_event(weights_ready)
+            q, weights = self.compute_q(q_lora, positions, weights, q_lora_quant,
+                                        out=inputs.query_out(self.n_local_heads, self.head_dim))
         if not skip_compressor:
             store_index_keys(self, attn_backend, x, forward_batch)
-        select_topk(self, attn_backend, x, q_lora, positions, q_lora_quant)
+        current.wait_stream(on_query)
+        return q, weights
 
 
 def common_rows(x, q_lora, q_lora_quant, positions):
@@ -173,11 +215,8 @@ def topk_inputs(im, core, rows: int, step: int, device: torch.device) -> TopkInp
     return inputs
 
 
-def select_topk(indexer: C4Indexer, backend, x, q_lora, positions, q_lora_quant=None) -> None:
-    """Score every query row against its request's bf16 keys and write the top-k pool slots upstream reads.
-
-    ``x``, ``q_lora`` and ``positions`` have their common row count (:func:`common_rows`).
-    """
+def forward_topk_inputs(backend, q_lora: torch.Tensor) -> TopkInputs:
+    """The forward's shared top-k inputs for this layer's query rows (``q_lora``'s, cut to the common rows)."""
     meta = backend.forward_metadata
     im, core = meta.indexer_metadata, meta.core_metadata
     rows = q_lora.shape[0]  # the query rows (wq_b maps rows one to one)
@@ -187,10 +226,13 @@ def select_topk(indexer: C4Indexer, backend, x, q_lora, positions, q_lora_quant=
             f"the indexer metadata was chunked for {im.compressed_seq_lens.shape[0]} query rows but this "
             f"forward has {rows}: the per-chunk top-k plans would not line up with the rows they score"
         )
-    inputs = topk_inputs(im, core, rows, step, q_lora.device)
-    weights = indexer.compute_weights(x, skip_scale=True)
-    q, weights = indexer.compute_q(q_lora, positions, weights, q_lora_quant,
-                                   out=inputs.query_out(indexer.n_local_heads, indexer.head_dim))
+    return topk_inputs(im, core, rows, step, q_lora.device)
+
+
+def select_topk(indexer: C4Indexer, backend, inputs: TopkInputs, q: torch.Tensor, weights: torch.Tensor) -> None:
+    """Score every query row against its request's bf16 keys and write the top-k pool slots upstream reads."""
+    im, core = backend.forward_metadata.indexer_metadata, backend.forward_metadata.core_metadata
+    rows, step = inputs.rows, inputs.step
     capturer = upstream_indexer.get_global_indexer_capturer()
     raw = core.c4_sparse_raw_indices
     if raw is None and capturer is not None:
