@@ -134,6 +134,7 @@ def test_cost_visits_every_server_in_abba_order_and_reads_a_profile(monkeypatch,
     monkeypatch.setattr(scenarios, "DECODE_POINTS", [(2, 300)])
     monkeypatch.setattr(scenarios, "PREFILL_POINTS", [200])
     monkeypatch.setattr(scenarios, "DECODE_STEPS", 6)
+    monkeypatch.setattr(scenarios, "DECODE_ROUNDS", 2)
     visits = []
     monkeypatch.setattr(scenarios.traffic, "prompt", lambda seed, n, vocab: [2] * n)
     real_generate, real_stream = traffic.generate, traffic.stream_token_times
@@ -164,10 +165,10 @@ def test_cost_visits_every_server_in_abba_order_and_reads_a_profile(monkeypatch,
     assert set(res["first_ms"]["dsv4_bf16"]) == {"prefill 200", "decode 2x300"}
     # each shape's first request against the same request's timed visits
     assert set(res["first_vs_steady"]["dsv4_bf16"]) == {"prefill 200", "decode 2x300"}
-    assert len(res["decode"]["2x300"]["dsv4_bf16"]["long_visits_ms"]) == 2
-    assert visits[start:] == [("stream", urls[n]) for n in ("dsv4_bf16", "sglang_tilelang", "sglang_deepgemm",
-                                                            "sglang_deepgemm", "sglang_tilelang", "dsv4_bf16")]
-    assert len(res["decode"]["2x300"]["dsv4_bf16"]["visits_ms"]) == 2
+    assert len(res["decode"]["2x300"]["dsv4_bf16"]["long_visits_ms"]) == 4
+    abba = ("dsv4_bf16", "sglang_tilelang", "sglang_deepgemm", "sglang_deepgemm", "sglang_tilelang", "dsv4_bf16")
+    assert visits[start:] == [("stream", urls[n]) for n in abba * 2]  # DECODE_ROUNDS rounds of ABBA
+    assert len(res["decode"]["2x300"]["dsv4_bf16"]["visits_ms"]) == 4
     # the step is read off the stream: each server's own step, whatever its prefill took
     for name, step in steps.items():
         assert res["decode"]["2x300"][name]["step_ms"] == pytest.approx(step * 1e3, rel=0.25)
