@@ -50,8 +50,8 @@ from pathlib import Path
 
 from bench.gpu_server.servers import ServerSpec, Started, e2e, free_port, launch_line, processes, start, wait_healthy
 
-checks, cluster, decode_kill, hostile, scrape, storm, tiny_model = (
-    e2e(name) for name in ("checks", "cluster", "decode_kill", "hostile", "scrape", "storm", "tiny_model"))
+checks, cluster, decode_kill, hostile, storm, tiny_model = (
+    e2e(name) for name in ("checks", "cluster", "decode_kill", "hostile", "storm", "tiny_model"))
 
 CLI = [sys.executable, "-m", "dsv4_sm120.cli"]  # dsv4-sm120: the bundle carries the package, not its console script
 PROMPT_WORDS = 700  # ~2,700 tokens in DeepSeek-V4's chat encoding with the tokenizer below
@@ -213,23 +213,15 @@ def pd_checksum(pair: Pair, since: dict, res: dict) -> None:
                           for p in (c.prefill, c.decode)})
 
 
-def _room_releases(proc) -> dict[str, float]:
-    """The prefill's room-release counters by reason: the decode's ABORTs and the sweep of rooms nobody holds."""
-    out: dict[str, float] = {}
-    for name, labels, value in scrape.metrics(proc.url):
-        if name in ROOM_RELEASES:
-            key = f"{name}{{{labels.get('reason', '')}}}"
-            out[key] = out.get(key, 0.0) + value
-    return out
-
-
 def decode_killed(pair: Pair, work: Path, res: dict) -> None:
-    before = _room_releases(pair.cluster.prefill)
+    before = checks.dsv4_counters(pair.cluster)
     res.update(decode_kill.kill_decode_mid_storm(CLI, pair.cluster, work / "storm_decode_killed.json", KILL_CLIENT,
                                                  KILL_AFTER_S, DECODE_RESTART_S, release_s=RELEASE_S,
                                                  storm_s=KILL_STORM_S, serve_s=SERVE_AGAIN_S))
-    after = _room_releases(pair.cluster.prefill)
-    res["prefill_room_releases"] = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(set(before) | set(after))}
+    after = checks.dsv4_counters(pair.cluster)
+    # the prefill's bootstrap thread keeps these: the rooms the decode's ABORTs and the sweep let go, by reason
+    res["prefill_room_releases"] = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(set(before) | set(after))
+                                    if k.startswith(ROOM_RELEASES)}
 
 
 def patch_sglang() -> dict:

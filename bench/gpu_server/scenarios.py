@@ -188,7 +188,8 @@ def _abba(names: list[str]) -> list[str]:
 
 def run_cost(servers: dict, logs: dict | None = None, work_dir=None, out: dict | None = None) -> dict:
     """Decode step (ms) at batch 1/8/64 x context 4k/32k and prefill (ms) of 4k/16k, each server visited in
-    ABBA order per point (decode: ``DECODE_ROUNDS`` rounds, the median of its visits; prefill: two rounds). A decode visit streams one batch whose context prefix
+    ABBA order per point (decode: ``DECODE_ROUNDS`` rounds, the median of its visits; prefill: two rounds). A
+    decode visit streams one batch whose context prefix
     is cached; its step is the time from each prompt's ``DECODE_SHORT``-th token to its last over the
     ``DECODE_STEPS`` tokens between (the median prompt), so prefill is outside it. Timing the difference of
     two requests instead carried each request's own extend: on an H200 that gave steps from -8 to +12 ms

@@ -65,12 +65,11 @@ class BF16C4Indexer(C4Indexer):
                 torch.cuda.current_stream().wait_event(q_lora_ready)
             if not skip_compressor:
                 store_index_keys(self, attn_backend, x, forward_batch)
-            q, weights = self.query(x, q_lora, positions, q_lora_quant, inputs)
+            q, weights = self.query(q_lora, positions, self.compute_weights(x, skip_scale=True), q_lora_quant, inputs)
         select_topk(self, attn_backend, inputs, q, weights)
 
-    def query(self, x, q_lora, positions, q_lora_quant, inputs: "TopkInputs") -> tuple:
-        """The layer's rotated bf16 queries and scaled head weights, written into the forward's buffers."""
-        weights = self.compute_weights(x, skip_scale=True)
+    def query(self, q_lora, positions, weights, q_lora_quant, inputs: "TopkInputs") -> tuple:
+        """The layer's rotated bf16 queries and its head ``weights`` scaled, written into the forward's buffers."""
         return self.compute_q(q_lora, positions, weights, q_lora_quant,
                               out=inputs.query_out(self.n_local_heads, self.head_dim))
 
@@ -96,8 +95,7 @@ class BF16C4Indexer(C4Indexer):
             if q_lora_ready is not None:
                 on_query.wait_event(q_lora_ready)
             on_query.wait_event(weights_ready)
-            q, weights = self.compute_q(q_lora, positions, weights, q_lora_quant,
-                                        out=inputs.query_out(self.n_local_heads, self.head_dim))
+            q, weights = self.query(q_lora, positions, weights, q_lora_quant, inputs)
         if not skip_compressor:
             store_index_keys(self, attn_backend, x, forward_batch)
         current.wait_stream(on_query)
