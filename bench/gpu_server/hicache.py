@@ -1,26 +1,34 @@
-"""The ``hicache`` set: bf16 index-K pages through upstream's real HiCache copy kernels under a storm.
+"""The ``hicache`` set: bf16 index-K pages through upstream's real HiCache copy kernels, checked at the reader.
 
-Servers (``--model-impl dsv4``, ``DSV4_SM120_INDEX_K_CHECKSUM=1``, a device pool of 32768 tokens, far less
-than the sessions' prefixes, so they are evicted, backed up and loaded back all the time; a host pool 4x
-that): one per io backend and host layout the pin supports for DeepSeek-V4 (``kernel`` with ``layer_first``
-and ``page_first``; ``direct``, which upstream itself moves to ``page_first_direct``), one with HiCache off
-(a device pool 4x larger, so that it never waits on memory) for the token comparison, the same pair with fp8
-keys, and two controls that load a test-side sglang plugin (``tests/gpu_server/faults``, never in the wheel):
-one corrupts a single index-K page after a load lands, one takes the package's load fence out of its bf16
-accessors.
+Servers (``--model-impl dsv4``, a device pool of 32768 tokens, far less than the sessions' prefixes, so they
+are evicted, backed up and loaded back all the time; a host pool 8x that):
 
-The storm: ``SESSIONS`` multi-turn sessions in ``GROUPS`` groups, each group sharing a long prefix (past
-the 2048 tokens after which the top-512 selection is active), ``ROUNDS`` rounds in which every session
-takes a turn (until ``ROUNDS`` or the storm's time budget, ``DSV4_GPU_STORM_SECONDS``, whichever comes
-first; all servers storm at once, each on its own thread). Each round goes out in waves of ``WAVE`` sessions, each wave ONE batched ``/generate``
-call, in the same order on every server: so a request's batch is the same on the HiCache server and on
-the server without HiCache, and their greedy tokens can be held against each other request by request.
-Beside the waves, streaming requests on the same prefixes are cut after their first bytes, so aborts
-land while pages move; those are not compared.
+- the shipped configuration: integrity mode off (the default), decode CUDA graphs, one server per io backend
+  and host layout the pin supports for DeepSeek-V4 (``kernel`` with ``layer_first`` and ``page_first``;
+  ``direct``, which upstream moves to ``page_first_direct``); the first of them again with integrity mode on;
+  fp8 keys the same way; the references without HiCache (a device pool 4x larger, so they never wait);
+- eager controls with upstream's ``SGLANG_TEST_HICACHE_H2D_DELAY_CYCLES`` (a sleep on the H2D stream before
+  each layer's load, so that a load lands after a read that does not wait for it): the whole load fence out
+  (the package's and upstream's ``wait_layer_transfer``; a test-side sglang plugin, ``tests/gpu_server/faults``,
+  never in the wheel), with integrity mode on (it must count and fail) and off (its top-k must differ from the
+  reference's); only the package's fence out (what upstream's own waits give); the fence in (0 and equal);
+  and one page corrupted after its load lands (caught, named, quarantined).
+
+Traffic: the storm (``SESSIONS`` multi-turn sessions in ``GROUPS`` groups sharing long prefixes past the 2048
+tokens after which the top-512 selection is active, each round in waves of ``WAVE`` sessions, each wave ONE
+batched ``/generate`` in the same order on every server, so a request's batch is the same everywhere and
+greedy tokens can be held against the reference's; beside it, streams cut after their first bytes); the top-k
+probe on the eager servers that return the indexer's selections (``--enable-return-indexer-topk``): probe
+sessions primed before the storm and asked again after it, when their prefixes come back from host, one
+request at a time in the same order, comparing the selections of the rows each request computed itself (from
+its ``cached_tokens`` on: sglang stores captures by device slot, so rows of a prefix loaded into new slots are
+stale on every server); and the cost of integrity mode: the graph servers with it on and off, each alone on the
+GPU in turn (ABBA), ``COST_SESSIONS`` concurrent sessions.
 """
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import os
@@ -36,13 +44,22 @@ from bench.gpu_server.servers import ServerSpec
 
 SESSIONS, GROUPS, ROUNDS, WAVE = 64, 16, 24, 16
 # A wave's ~10 distinct prefixes of 24 pages each (6 C4 layers) are ~3x the device pool: nearly every turn
-# loads its prefix back from the host, ~1,400 index-K page checks a wave.
+# loads its prefix back from the host.
 PREFIX_TOKENS, TURN_TOKENS, NEW_TOKENS = 6144, 48, 16
 CANCEL_EVERY_S = 0.25
 WAVE_TIMEOUT_S = 120.0  # a wave not answered by then: the server has stalled, and its storm ends there
+# The top-k probe: short enough that a response's selections (rows x 6 C4 layers x 512 int32) stay ~30 MB.
+PROBES, PROBE_PREFIX_TOKENS, SELECTIVE_FROM = 8, 2600, 4 * 512 + 64
+COST_SESSIONS, COST_ROUNDS = 64, 2  # integrity mode's cost: sessions in flight, ABBA rounds
+# ~10 ms a layer at the H200's ~2 GHz: each layer's load lands well after an eager forward that does not wait
+# for it has read that layer.
+H2D_DELAY_CYCLES = 20_000_000
 FAULTS_DIR = Path(__file__).resolve().parents[2] / "tests" / "gpu_server" / "faults"
-METRICS = ("index_k_pages_checked_total", "index_k_pages_recorded_total", "index_k_mismatches_total",
-           "index_k_requests_failed_total", "index_k_pages_quarantined")
+METRICS = ("index_k_pages_recorded_total", "index_k_page_checks_total", "index_k_pages_verified_total",
+           "index_k_page_rechecks_total", "index_k_pages_unrecorded_total", "index_k_mismatches_total",
+           "index_k_key_writes_checked_total", "index_k_key_writes_lost_total", "index_k_requests_failed_total",
+           "index_k_pages_quarantined")
+UPSTREAM_METRICS = ("load_back_tokens_total", "cache_hit_rate")
 
 _HICACHE = ["--enable-hierarchical-cache", "--hicache-ratio", "8"]  # the host holds every session's history
 # Half the device pool for the sliding-window layers (upstream's default is a tenth). With a tenth, both servers
@@ -50,6 +67,7 @@ _HICACHE = ["--enable-hierarchical-cache", "--hicache-ratio", "8"]  # the host h
 # sglang's soft watchdog logs the scheduler's state and a py-spy dump (the bundle carries py-spy) of a forward that
 # has not finished in 60 s, and lets it go on: a stall is then told apart from a stuck kernel.
 _EVERY_SERVER = ["--swa-full-tokens-ratio", "0.5", "--soft-watchdog-timeout", "60"]
+_TOPK = ["--enable-return-indexer-topk"]
 LAYOUTS = {
     "kernel_layer_first": ["--hicache-io-backend", "kernel", "--hicache-mem-layout", "layer_first"],
     "kernel_page_first": ["--hicache-io-backend", "kernel", "--hicache-mem-layout", "page_first"],
@@ -57,35 +75,53 @@ LAYOUTS = {
 }
 
 
-def _spec(name: str, index_k: str, hicache: list[str] | None, fault: str = "") -> ServerSpec:
-    env = {"DSV4_SM120_INDEX_K_CHECKSUM": "1"}
+def _spec(name: str, index_k: str, hicache: list[str] | None, *, checksum: bool, graphs: bool = False,
+          fault: str = "", delay: int = 0, topk: bool = False) -> ServerSpec:
+    env = {"DSV4_SM120_INDEX_K_CHECKSUM": "1" if checksum else "0"}
+    if delay:
+        env["SGLANG_TEST_HICACHE_H2D_DELAY_CYCLES"] = str(delay)
     if fault:
         env.update({"DSV4_TEST_FAULT": fault, "PYTHONPATH": f"{FAULTS_DIR}:{os.environ.get('PYTHONPATH', '')}"})
-    # Eager: the copies under test do not run in the decode graph, and eager servers start in a fraction of the
-    # time on a cold JIT cache.
+    if hicache is not None and not graphs:  # the eager controls: half the host pool (host memory for all servers)
+        hicache = hicache + ["--hicache-ratio", "4"]
     # The servers without HiCache are the reference: a device pool 4x larger, so they never wait on memory.
     pool = 32768 if hicache is not None else 4 * 32768
-    return ServerSpec(name, "hicache", "dsv4", graphs=False, index_k=index_k, mem_fraction=0.3, max_total_tokens=pool,
-                      context_length=8192, max_running=WAVE, chunked_prefill=4096,
-                      extra_args=_EVERY_SERVER + ((_HICACHE + hicache) if hicache is not None else []), extra_env=env)
+    return ServerSpec(name, "hicache", "dsv4", graphs=graphs, index_k=index_k, mem_fraction=0.2,
+                      max_total_tokens=pool, context_length=8192, max_running=WAVE, graph_batches=(1, 4, 16),
+                      chunked_prefill=4096,
+                      extra_args=_EVERY_SERVER + (_TOPK if topk else []) + ((_HICACHE + hicache) if hicache is not None else []),
+                      extra_env=env)
 
 
 def specs() -> list[ServerSpec]:
-    out = [_spec(f"hc_{name}", "bf16", args) for name, args in LAYOUTS.items()]
-    out += [_spec("off", "bf16", None), _spec("hc_kernel_layer_first_fp8", "fp8", LAYOUTS["kernel_layer_first"]),
-            _spec("off_fp8", "fp8", None),
-            _spec("control_planted_page", "bf16", LAYOUTS["kernel_layer_first"], fault="plant_one_page"),
-            _spec("control_fence_off", "bf16", LAYOUTS["kernel_layer_first"], fault="fence_off")]
+    layer_first = LAYOUTS["kernel_layer_first"]
+    out = [_spec(f"hc_{name}", "bf16", args, checksum=False, graphs=True) for name, args in LAYOUTS.items()]
+    out += [_spec("hc_kernel_layer_first_checksum", "bf16", layer_first, checksum=True, graphs=True),
+            _spec("off", "bf16", None, checksum=False, graphs=True),
+            _spec("hc_kernel_layer_first_fp8", "fp8", layer_first, checksum=False, graphs=True),
+            _spec("off_fp8", "fp8", None, checksum=False, graphs=True),
+            # eager, returning the indexer's selections
+            _spec("eager_off", "bf16", None, checksum=False, topk=True),
+            _spec("control_fence_in_delayed", "bf16", layer_first, checksum=True, delay=H2D_DELAY_CYCLES, topk=True),
+            _spec("control_no_fence_delayed", "bf16", layer_first, checksum=True, delay=H2D_DELAY_CYCLES,
+                  fault="fence_off_all"),
+            _spec("control_no_fence_delayed_unchecked", "bf16", layer_first, checksum=False, delay=H2D_DELAY_CYCLES,
+                  fault="fence_off_all", topk=True),
+            _spec("control_package_fence_off_delayed", "bf16", layer_first, checksum=True, delay=H2D_DELAY_CYCLES,
+                  fault="fence_off"),
+            _spec("control_planted_page", "bf16", layer_first, checksum=True, fault="plant_one_page")]
     return out
 
 
 def scrape(url: str) -> dict:
-    """The package's index-K integrity series on a server's /metrics (summed over label sets)."""
+    """The package's index-K integrity series and upstream's HiCache load-back tokens on a server's /metrics
+    (summed over label sets)."""
     text = traffic.get_text(url, "/metrics")
     out = {}
-    for name in METRICS:
-        pattern = re.compile(rf"^sglang:dsv4_{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.M)
-        out[name] = sum(float(v) for v in pattern.findall(text))
+    for prefix, names in (("sglang:dsv4_", METRICS), ("sglang:", UPSTREAM_METRICS)):
+        for name in names:
+            pattern = re.compile(rf"^{prefix}{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.M)
+            out[name] = sum(float(v) for v in pattern.findall(text))
     return out
 
 
@@ -159,8 +195,9 @@ def storm(url: str, deadline: float = float("inf")) -> dict:
            "cancelled_streams": canceller.sent}
     try:
         after = scrape(url)
-        out["metrics"] = ({k: after[k] - before[k] for k in METRICS if not k.endswith("quarantined")}
-                          | {"index_k_pages_quarantined": after["index_k_pages_quarantined"]})
+        gauges = ("index_k_pages_quarantined", "cache_hit_rate")
+        out["metrics"] = ({k: after[k] - before[k] for k in after if k not in gauges}
+                          | {k: after[k] for k in gauges})
     except traffic.RequestFailed as exc:  # a server gone after its storm: its waves still count
         out["metrics"] = {"error": str(exc)[:600]}
     return out
@@ -177,30 +214,167 @@ def agreement(a: dict, b: dict) -> dict:
     return {"equal": same, "compared": total}
 
 
-def run(servers: dict, logs: dict, work_dir=None, out: dict | None = None) -> dict:
-    """Every server's storm at once, each on its own thread (``out`` filled as each ends), then the comparisons
-    with HiCache off over the waves both servers answered."""
-    out = out if out is not None else {}
-    summaries, storms = out.setdefault("storms", {}), {}
-    budget = float(os.environ.get("DSV4_GPU_STORM_SECONDS", "inf"))
-    deadline = time.monotonic() + budget
-    out["storm_budget_s"] = budget
+def _probe_ids(g: int, vocab: int) -> list[int]:
+    return traffic.prompt(52000 + g, PROBE_PREFIX_TOKENS, vocab)
 
+
+def probe_prime(url: str) -> list:
+    """The probe sessions' first turns (their prefixes enter the cache; the storm then pushes them to host)."""
+    vocab = models.config("hicache")["vocab_size"]
+    turns = []
+    for g in range(PROBES):
+        ids = _probe_ids(g, vocab) + traffic.prompt(53000 + g, TURN_TOKENS, vocab)
+        _, results = traffic.generate(url, [ids], NEW_TOKENS, timeout=WAVE_TIMEOUT_S)
+        turns.append(ids + traffic.output_ids(results[0]))
+    return turns
+
+
+def _selections(result: dict, topk: int) -> dict | None:
+    """{row: digest of each C4 layer's sorted selection} for the rows the request computed itself."""
+    layers = models.c4_layers("hicache")
+    rows = traffic.indexer_topk(result, layers, topk)
+    if rows is None:
+        return None
+    import numpy as np
+
+    first = int((result.get("meta_info") or {}).get("cached_tokens") or 0)
+    rows = np.sort(rows[first:], axis=-1)
+    return {first + i: hashlib.sha1(row.tobytes()).hexdigest()[:16] for i, row in enumerate(rows)}
+
+
+def probe_ask(url: str, turns: list, topk: bool) -> list:
+    """Each probe session's second turn, one request at a time: its result, or the server's error."""
+    vocab, k = models.config("hicache")["vocab_size"], models.config("hicache")["index_topk"]
+    out = []
+    for g, history in enumerate(turns):
+        ids = history + traffic.prompt(54000 + g, TURN_TOKENS, vocab)
+        try:
+            _, results = traffic.generate(url, [ids], NEW_TOKENS, timeout=WAVE_TIMEOUT_S, return_indexer_topk=topk)
+        except traffic.RequestFailed as exc:
+            out.append({"error": str(exc)[:600], "http_500": " 500" in str(exc)[:200]})
+            continue
+        meta = results[0].get("meta_info") or {}
+        out.append({"digest": traffic.digest(results[0]), "cached_tokens": meta.get("cached_tokens"),
+                    "selections": _selections(results[0], k) if topk else None})
+    return out
+
+
+def topk_agreement(a: list, b: list) -> dict:
+    """Requests (and rows) whose own-forward selections are equal on two servers, from the later of the two
+    cached-token counts on, past ``SELECTIVE_FROM`` (below it the top-512 takes every compressed key)."""
+    out = {"requests": 0, "requests_equal": 0, "rows": 0, "rows_equal": 0, "not_compared": 0}
+    for x, y in zip(a, b):
+        if not x.get("selections") or not y.get("selections"):
+            out["not_compared"] += 1
+            continue
+        rows = [r for r in x["selections"] if r in y["selections"] and r >= SELECTIVE_FROM]
+        equal = sum(x["selections"][r] == y["selections"][r] for r in rows)
+        out["requests"] += 1
+        out["requests_equal"] += int(bool(rows) and equal == len(rows))
+        out["rows"] += len(rows)
+        out["rows_equal"] += equal
+    return out
+
+
+def cost_visit(url: str, round_seed: int) -> dict:
+    """``COST_SESSIONS`` streamed turns at once on prefixes the device pool cannot hold: TTFT, throughput."""
+    vocab = models.config("hicache")["vocab_size"]
+    prefixes = [traffic.prompt(31000 + g, PREFIX_TOKENS, vocab) for g in range(GROUPS)]
+    ids = [prefixes[s % GROUPS] + traffic.prompt(round_seed * 1000 + s, TURN_TOKENS, vocab) for s in range(COST_SESSIONS)]
+    ttft, tokens, errors = [], [0], []
+
+    def one(i: int) -> None:
+        try:
+            _, arrivals = traffic.stream_token_times(url, [ids[i]], NEW_TOKENS, timeout=WAVE_TIMEOUT_S)
+            times = arrivals[0]
+            if times:
+                ttft.append(times[min(times)] - start)
+                tokens[0] += max(times)
+        except traffic.RequestFailed as exc:
+            errors.append(str(exc)[:300])
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(COST_SESSIONS)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAVE_TIMEOUT_S + 30)
+    wall = time.perf_counter() - start
+    ttft.sort()
+    return {"wall_s": round(wall, 3), "output_tok_s": round(tokens[0] / wall, 1),
+            "ttft_p50_s": round(ttft[len(ttft) // 2], 4) if ttft else None, "errors": errors[:3], "n": len(ttft)}
+
+
+def cost(servers: dict, on: str, off: str) -> dict:
+    """Integrity mode on vs off, each server alone in turn, ABBA over ``COST_ROUNDS`` rounds."""
+    visits = {on: [], off: []}
+    for rnd in range(COST_ROUNDS):
+        for name in ((off, on, on, off) if rnd % 2 == 0 else (on, off, off, on)):
+            visits[name].append(cost_visit(servers[name], 700 + rnd))
+
+    def med(name, key):
+        vals = sorted(v[key] for v in visits[name] if v[key] is not None)
+        return {"median": vals[len(vals) // 2], "min": vals[0], "max": vals[-1]} if vals else None
+
+    summary = {n: {"output_tok_s": med(n, "output_tok_s"), "ttft_p50_s": med(n, "ttft_p50_s")} for n in visits}
+    try:
+        summary["throughput_on_over_off"] = round(summary[on]["output_tok_s"]["median"]
+                                                  / summary[off]["output_tok_s"]["median"], 4)
+        summary["ttft_p50_on_over_off"] = round(summary[on]["ttft_p50_s"]["median"]
+                                                / summary[off]["ttft_p50_s"]["median"], 4)
+    except (TypeError, ZeroDivisionError):
+        pass
+    return {"visits": visits, "summary": summary}
+
+
+TOPK_SERVERS = ("eager_off", "control_fence_in_delayed", "control_no_fence_delayed_unchecked")
+COST_PAIR = ("hc_kernel_layer_first_checksum", "hc_kernel_layer_first")  # integrity mode on, off
+
+
+def _each(servers: dict, fn, out: dict, join_s: float | None = None) -> dict:
+    """``fn(name, url)`` on every server at once, each on its own thread; ``out[name]`` its result or error."""
     def one(name: str, url: str) -> None:
         try:
-            storms[name] = storm(url, deadline)
-            summaries[name] = storms[name]  # the waves' digests too: any two servers can be compared later
-        except Exception as exc:  # one server's broken storm is reported; the others go on
-            summaries[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            out[name] = fn(name, url)
+        except Exception as exc:  # one server's failure is reported; the others go on
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
 
     threads = [threading.Thread(target=one, args=item, daemon=True) for item in servers.items()]
     for t in threads:
         t.start()
-    for t in threads:  # a wave in flight at the deadline has its timeout to answer (every wave has one)
-        t.join(None if budget == float("inf") else max(0.0, deadline - time.monotonic()) + WAVE_TIMEOUT_S + 60)
-    storms = dict(storms)  # a storm still running past its bound is left out of the comparisons
-    off = {n: "off_fp8" if n.endswith("_fp8") else "off" for n in storms if n.startswith(("hc_", "control_"))}
-    out["outputs_vs_off"] = {n: agreement(storms[n], storms[o]) for n, o in off.items() if o in storms}
-    out["mismatch_lines"] = {n: [ln for ln in logs[n]().splitlines() if "index-K checksum mismatch" in ln][:5]
+    for t in threads:
+        t.join(join_s)
+    return out
+
+
+def run(servers: dict, logs: dict, work_dir=None, out: dict | None = None) -> dict:
+    """The probes' first turns, every server's storm at once (``out`` filled as each ends), the probes' second
+    turns with the selections, the comparisons with the references, then integrity mode's cost."""
+    out = out if out is not None else {}
+    eager = {n: u for n, u in servers.items() if n.startswith(("eager_", "control_"))}
+    turns = _each(eager, lambda n, u: probe_prime(u), {})
+    budget = float(os.environ.get("DSV4_GPU_STORM_SECONDS", "inf"))
+    deadline = time.monotonic() + budget
+    out["storm_budget_s"] = budget
+    summaries = out.setdefault("storms", {})
+    _each(servers, lambda n, u: storm(u, deadline), summaries,
+          None if budget == float("inf") else budget + WAVE_TIMEOUT_S + 60)
+    storms = {n: v for n, v in dict(summaries).items() if "waves" in v}
+    refs = {n: ("off_fp8" if n.endswith("_fp8") else "eager_off" if n.startswith("control_") else "off")
+            for n in storms if n.startswith(("hc_", "control_"))}
+    out["outputs_vs_off"] = {n: agreement(storms[n], storms[o]) for n, o in refs.items() if o in storms}
+    primed = {n: u for n, u in eager.items() if isinstance(turns.get(n), list)}
+    probes = out["probes"] = _each(primed, lambda n, u: probe_ask(u, turns[n], n in TOPK_SERVERS), {})
+    out["probe_summary"] = {n: {"requests": len(p), "failed_500": sum(bool(r.get("http_500")) for r in p),
+                                "errors": sum("error" in r for r in p)}
+                            for n, p in probes.items() if isinstance(p, list)}
+    if isinstance(probes.get("eager_off"), list):
+        out["topk_vs_off"] = {n: topk_agreement(probes[n], probes["eager_off"]) for n in TOPK_SERVERS
+                              if n != "eager_off" and isinstance(probes.get(n), list)}
+    out["metrics_after_probes"] = _each(servers, lambda n, u: scrape(u), {})
+    if all(n in servers for n in COST_PAIR):
+        out["cost"] = cost(servers, *COST_PAIR)
+    out["mismatch_lines"] = {n: [ln for ln in logs[n]().splitlines()
+                                 if "index-K checksum mismatch" in ln or "key write lost" in ln][:5]
                              for n in servers}
     return out

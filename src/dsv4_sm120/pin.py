@@ -356,7 +356,7 @@ MANIFEST: tuple[Touch, ...] = (
         "sglang.srt.mem_cache.memory_pool_host.DeepSeekV4PagedHostPool.load_to_device_per_layer",
         "subclass",
         "hicache",
-        "Integrity mode verifies each index-K page row right after its load-back copy.",
+        "Integrity mode notes each index-K load for the forward that reads it (checked at the C4 indexer's read).",
     ),
     Touch(
         "sglang.srt.mem_cache.hicache_storage.PoolName.DEEPSEEK_V4_C4_INDEXER",
@@ -369,6 +369,26 @@ MANIFEST: tuple[Touch, ...] = (
         "around",
         "hicache",
         "Integrity mode fails the requests whose prefix reads an index-K page that came back corrupt.",
+    ),
+    Touch(
+        "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
+        ".process_batch_result_prefill",
+        "around",
+        "hicache",
+        "Integrity mode fails the requests whose forward read an index-K page unlike its backup, before upstream "
+        "commits that forward's output.",
+    ),
+    Touch(
+        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill",
+        "around",
+        "hicache",
+        "The same on a PD prefill: the request is failed instead of sent to its decode.",
+    ),
+    Touch(
+        "sglang.srt.managers.cache_controller.LayerDoneCounter",
+        "calls",
+        "hicache",
+        "A load's producer slot and a forward's consumer slot tie each index-K load to the forward that checks it.",
     ),
     Touch(
         "sglang.srt.managers.schedule_batch.FINISH_ABORT",

@@ -30,7 +30,7 @@ def _serve(tokens_of, topk_of, stall_after=None, step_s=0.0):
             pass
 
         def do_GET(self):  # /metrics: pages checked grow with every /generate answered
-            data = (f"sglang:dsv4_index_k_pages_checked_total {48.0 * calls['n']}\n"
+            data = (f"sglang:dsv4_index_k_page_checks_total {48.0 * calls['n']}\n"
                     f'sglang:dsv4_index_k_pages_quarantined{{tp_rank="0"}} 0.0\n').encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(data)))
@@ -205,7 +205,7 @@ def test_hicache_storm_compares_waves_with_hicache_off_and_reads_the_counters(mo
                                      "off": _serve(_tokens(0), _topk(0)), "hc_direct": _serve(_tokens(3), _topk(0))})
     storm = res["storms"]["hc_kernel_layer_first"]
     assert storm["requests"] == 16 and storm["failed_waves"] == []
-    assert storm["metrics"]["index_k_pages_checked_total"] == 48.0 * 4  # 4 waves answered during the storm
+    assert storm["metrics"]["index_k_page_checks_total"] == 48.0 * 4  # 4 waves answered during the storm
     assert res["outputs_vs_off"]["hc_kernel_layer_first"] == {"equal": 16, "compared": 16}
     assert res["outputs_vs_off"]["hc_direct"]["equal"] == 0
 
@@ -215,7 +215,7 @@ def test_a_server_that_stalls_mid_storm_is_named_and_its_answered_waves_still_co
                                      "off": _serve(_tokens(0), _topk(0), stall_after=2)}, WAVE_TIMEOUT_S=1.0)
     off = res["storms"]["off"]
     assert off["stalled"] == {"round": 1, "wave": 0, "after_s": off["stalled"]["after_s"]}  # 2 waves a round
-    assert off["waves_answered"] == 2 and off["metrics"]["index_k_pages_checked_total"] == 96.0
+    assert off["waves_answered"] == 2 and off["metrics"]["index_k_page_checks_total"] == 96.0
     assert res["storms"]["hc_kernel_layer_first"]["waves_answered"] == 4
     assert res["outputs_vs_off"]["hc_kernel_layer_first"] == {"equal": 8, "compared": 8}
 

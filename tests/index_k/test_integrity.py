@@ -1,7 +1,11 @@
-"""Integrity mode (DSV4_SM120_INDEX_K_CHECKSUM=1): a page that comes back wrong is caught, counted, logged.
+"""Integrity mode (DSV4_SM120_INDEX_K_CHECKSUM=1): loaded pages are checked where the C4 indexer reads them.
 
-Same real stack and CPU page movers as test_hicache.py; the checksum is the
-kernels area's ``page_checksum`` (its torch reference on CPU).
+Same real stack and CPU page movers as test_hicache.py; the checksum is the kernels area's
+``page_checksum`` (its torch reference on CPU). A HiCache load is driven layer by layer as
+``L2TransferEngine.submit_host_to_device`` does, under a producer slot of the stack's real
+``LayerDoneCounter``; the forward that reads it sets that slot as its consumer, as the TP worker
+does, and "reads" a layer where the model's C4 indexer does (``integrity.check_reads``). A load
+that has not landed yet is one whose copies the test holds back (:class:`HeldCopies`).
 """
 
 from __future__ import annotations
@@ -15,58 +19,225 @@ import cpu_page_mover
 from pool_harness import SLOTS_PER_FULL_PAGE
 from test_hicache import index_host, round_trip
 
+COPY_OPS = ("transfer_kv_per_layer_mla", "transfer_kv_per_layer_mla_pf_lf")
+
 
 def _slots(pages):
     return cpu_page_mover.pages_to_slots(torch.as_tensor(pages), SLOTS_PER_FULL_PAGE)
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_clean_round_trips_pass_the_check(stacks, monkeypatch, layout):
-    from dsv4_sm120.index_k.integrity import COUNTERS
+def _ledger(host):
+    from dsv4_sm120.index_k import integrity
 
-    result, built, _ = stacks(layout, checksum=True)
-    host = index_host(built)
     assert host.index_k_ledger is not None
-    cpu_page_mover.install(monkeypatch, host)
-    before = dict(COUNTERS)
-    gen = torch.Generator().manual_seed(5)
-    pages = torch.randperm(host.device_buffers[0].shape[0], generator=gen)[:40]
-    hosts = torch.randperm(host.num_host_pages, generator=gen)[:40]
-    round_trip(host, result.token_to_kv_pool.c4_indexer_kv_pool, [(pages[:13], hosts[:13]), (pages[13:], hosts[13:])], 3, gen)
-    layers = len(host.device_buffers)
-    assert COUNTERS["pages_recorded"] - before["pages_recorded"] == 40 * layers
-    assert COUNTERS["pages_checked"] - before["pages_checked"] == 40 * layers
-    assert COUNTERS["mismatches"] == before["mismatches"]
+    integrity.LEDGER = host.index_k_ledger  # this test's stack is the process's (the fixture caches several)
+    return host.index_k_ledger
 
 
-def _back_up_and_corrupt(host, device_pool, layout, gen):
-    """Back up 3 pages, then flip one byte of host page 7 on layer 1 (the planted corruption)."""
-    for buf in host.device_buffers:
-        buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
-    host.backup_from_device_all_layer(device_pool, _slots([6, 7, 8]), _slots([10, 11, 12]), "kernel")
-    host_row = host.kv_buffer[1][7] if layout == "layer_first" else host.kv_buffer[7, 1]
-    host_row[1000] ^= 0x01
+def load(host, device_pool, host_pages, device_pages, layers=None):
+    """One HiCache load under a new producer slot; returns the slot its forward consumes."""
+    ledger = _ledger(host)
+    slot = ledger.counter.update_producer()
+    for layer in range(host.layer_num) if layers is None else layers:
+        host.load_to_device_per_layer(device_pool, _slots(host_pages), _slots(device_pages), layer, "kernel")
+    return slot
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_planted_corruption_is_caught_counted_and_logged(stacks, monkeypatch, caplog, layout):
-    from dsv4_sm120.index_k.request_fail import QUARANTINE, CorruptPage
-    from dsv4_sm120.index_k.integrity import COUNTERS
+def read(host, slot, layers=None):
+    """The forward that consumes ``slot`` reads each layer at its C4 indexer; then its result is processed."""
+    ledger = _ledger(host)
+    ledger.counter.set_consumer(slot)
+    for layer in range(host.layer_num) if layers is None else layers:
+        ledger.check_reads(layer, host.device_buffers[layer])
+    ledger.counter.set_consumer(-1)
+    return ledger.collect(slot)
+
+
+class HeldCopies:
+    """The per-layer load copies queued instead of run: a load that has not landed until :meth:`land`."""
+
+    def __init__(self, monkeypatch):
+        from sglang.srt.mem_cache import memory_pool_host
+
+        self.queued = []
+        for name in COPY_OPS:
+            real = getattr(memory_pool_host, name)
+            monkeypatch.setattr(memory_pool_host, name,
+                                lambda *a, _real=real, **k: self.queued.append(lambda: _real(*a, **k)))
+
+    def land(self):
+        for copy in self.queued:
+            copy()
+        self.queued.clear()
+
+
+def _backed_up(stacks, monkeypatch, layout="layer_first", seed=7, pages=(10, 11, 12), hosts=(6, 7, 8)):
+    from dsv4_sm120.index_k.integrity import QUARANTINE
 
     result, built, _ = stacks(layout, checksum=True)
     host, device_pool = index_host(built), result.token_to_kv_pool.c4_indexer_kv_pool
     cpu_page_mover.install(monkeypatch, host)
     QUARANTINE.pages.clear()
-    _back_up_and_corrupt(host, device_pool, layout, torch.Generator().manual_seed(7))
+    gen = torch.Generator().manual_seed(seed)
+    for buf in host.device_buffers:
+        buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
+    host.backup_from_device_all_layer(device_pool, _slots(list(hosts)), _slots(list(pages)), "kernel")
+    return host, device_pool
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_clean_loads_pass_at_the_read_and_count_distinct_pages_once(stacks, monkeypatch, layout):
+    from dsv4_sm120.index_k.integrity import COUNTERS
+
+    result, built, _ = stacks(layout, checksum=True)
+    host = index_host(built)
+    cpu_page_mover.install(monkeypatch, host)
+    before = dict(COUNTERS)
+    gen = torch.Generator().manual_seed(5)
+    pages = torch.randperm(host.device_buffers[0].shape[0], generator=gen)[:40]
+    hosts = torch.randperm(host.num_host_pages, generator=gen)[:40]
+    ledger = _ledger(host)
+    ledger.counter.update_producer()  # round_trip's loads (3 per layer) go to this slot
+    round_trip(host, result.token_to_kv_pool.c4_indexer_kv_pool, [(pages[:13], hosts[:13]), (pages[13:], hosts[13:])], 3, gen)
+    assert read(host, ledger.counter.producer_index) == []
+    layers = len(host.device_buffers)
+    delta = {k: COUNTERS[k] - before[k] for k in COUNTERS}
+    assert delta["pages_recorded"] == delta["page_checks"] == delta["pages_verified"] == 40 * layers
+    assert delta["page_rechecks"] == delta["mismatches"] == delta["pages_unrecorded"] == 0
+    # the same backed-up pages loaded again, elsewhere: re-checks, not new distinct pages
+    targets = torch.randperm(host.device_buffers[0].shape[0], generator=gen)[:40]
+    assert read(host, load(host, result.token_to_kv_pool.c4_indexer_kv_pool, hosts, targets)) == []
+    assert COUNTERS["page_rechecks"] - before["page_rechecks"] == 40 * layers
+    assert COUNTERS["pages_verified"] - before["pages_verified"] == 40 * layers
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_planted_corruption_is_caught_at_the_read_counted_and_logged(stacks, monkeypatch, caplog, layout):
+    from dsv4_sm120.index_k.integrity import COUNTERS, QUARANTINE, CorruptPage
+
+    host, device_pool = _backed_up(stacks, monkeypatch, layout)
+    host_row = host.kv_buffer[1][7] if layout == "layer_first" else host.kv_buffer[7, 1]
+    host_row[1000] ^= 0x01
     mismatches = COUNTERS["mismatches"]
-    host.load_to_device_per_layer(device_pool, _slots([6, 7, 8]), _slots([20, 21, 22]), 0, "kernel")  # clean layer
+    slot = load(host, device_pool, [6, 7, 8], [20, 21, 22])
+    assert COUNTERS["mismatches"] == mismatches  # nothing is checked in the load path
     with caplog.at_level(logging.ERROR, logger="dsv4_sm120.index_k.integrity"):
-        host.load_to_device_per_layer(device_pool, _slots([6, 7, 8]), _slots([20, 21, 22]), 1, "kernel")
+        found = read(host, slot)
     assert COUNTERS["mismatches"] == mismatches + 1
-    assert "layer=1 host_page=7 device_page=21" in caplog.text
-    # quarantined for the scheduler hook (tests/index_k/test_integrity_request_fail.py), not raised
+    assert found == [CorruptPage(host.pool_name, 1, 7, 21)]
+    assert "at read: pool=" in caplog.text and "layer=1 host_page=7 device_page=21" in caplog.text
+    # quarantined for the scheduler hooks (tests/index_k/test_integrity_request_fail.py), not raised
     assert QUARANTINE.pages == {21: CorruptPage(host.pool_name, 1, 7, 21)}
     QUARANTINE.pages.clear()
+
+
+def test_a_read_before_the_load_lands_mismatches_on_every_page(stacks, monkeypatch):
+    """The race the fence exists for: the indexer reads a layer whose load is still in flight."""
+    from dsv4_sm120.index_k.integrity import COUNTERS, QUARANTINE
+
+    host, device_pool = _backed_up(stacks, monkeypatch)
+    for buf in host.device_buffers:
+        buf[[20, 21, 22]] = 0  # what the target pages held before the load: another request's keys
+    held = HeldCopies(monkeypatch)
+    mismatches = COUNTERS["mismatches"]
+    slot = load(host, device_pool, [6, 7, 8], [20, 21, 22])
+    assert len(held.queued) == host.layer_num
+    found = read(host, slot, layers=[0])  # layer 0 read before its copy ran
+    held.land()
+    assert sorted(p.device_page for p in found) == [20, 21, 22]
+    assert COUNTERS["mismatches"] == mismatches + 3
+    # once landed, the same load read afterwards is clean
+    assert read(host, slot, layers=range(1, host.layer_num)) == []
+    QUARANTINE.pages.clear()
+
+
+def test_a_late_write_over_a_landed_page_mismatches(stacks, monkeypatch):
+    """A forward still writing into a reclaimed page after the load into it landed: the reader sees it."""
+    host, device_pool = _backed_up(stacks, monkeypatch)
+    slot = load(host, device_pool, [6, 7, 8], [20, 21, 22])
+    last = host.layer_num - 1
+    host.device_buffers[last][22, 512:768] = 0xAB  # one late key store into the last layer of device page 22
+    found = read(host, slot)
+    assert [(p.layer, p.device_page) for p in found] == [(last, 22)]
+
+
+def test_a_key_write_lost_to_a_later_load_is_found_at_the_read(stacks, monkeypatch, caplog):
+    """The writer side: keys a loading forward stored, overwritten by a load landing before the layer's read."""
+    from dsv4_sm120.index_k.integrity import COUNTERS, QUARANTINE, WRITES
+
+    host, device_pool = _backed_up(stacks, monkeypatch)
+    ledger = _ledger(host)
+    held = HeldCopies(monkeypatch)
+    slot = load(host, device_pool, [6, 7, 8], [20, 21, 22], layers=[1])  # its copy held back
+    ledger.counter.set_consumer(slot)
+    # the forward's key store into two slots of device page 21 (a page the load also targets)
+    keys = host.device_buffers[1].view(-1, 256)
+    stored = torch.tensor([21 * 64 + 3, 21 * 64 + 4, -1])
+    keys[stored[:2]] = 0x5A
+    ledger.note_writes(1, host.device_buffers[1], stored)
+    held.land()  # the late load lands on them
+    before = dict(COUNTERS)
+    with caplog.at_level(logging.ERROR, logger="dsv4_sm120.index_k.integrity"):
+        found = read(host, slot, layers=[1])
+    assert COUNTERS["key_writes_checked"] - before["key_writes_checked"] == 2
+    assert COUNTERS["key_writes_lost"] - before["key_writes_lost"] == 2
+    assert (1, WRITES, 21) in [(p.layer, p.host_page, p.device_page) for p in found]
+    assert "index-K key write lost: layer=1 device_page=21" in caplog.text
+    assert 21 in QUARANTINE.pages
+    QUARANTINE.pages.clear()
+
+
+def test_pages_with_no_checksum_on_record_are_not_counted_as_checked(stacks, monkeypatch):
+    from dsv4_sm120.index_k.integrity import COUNTERS
+
+    host, device_pool = _backed_up(stacks, monkeypatch)
+    before = dict(COUNTERS)
+    found = read(host, load(host, device_pool, [6, 90, 91], [30, 31, 32]))  # host pages 90, 91: never backed up
+    assert found == []
+    assert COUNTERS["page_checks"] - before["page_checks"] == host.layer_num
+    assert COUNTERS["pages_unrecorded"] - before["pages_unrecorded"] == 2 * host.layer_num
+
+
+class _NoHostSync(torch.overrides.TorchFunctionMode):
+    """Fails on every tensor call that makes the host wait for a GPU (a value, a host copy, a sized result)."""
+
+    WAITS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
+             torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero,
+             torch.nonzero, torch.Tensor.unique, torch.unique, torch.masked_select, torch.Tensor.masked_select}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.WAITS or (func is torch.Tensor.to and "cpu" in map(str, (*args[1:], *kwargs.values()))):
+            raise AssertionError(f"host synchronization in the copy path or the forward: {func}")
+        return func(*args, **kwargs)
+
+
+def test_no_host_synchronization_in_the_copy_path_or_the_indexer_read(stacks, monkeypatch):
+    """Backup, load and the indexer-side check only queue GPU work: any call that makes the host wait fails
+    here (a torch-function mode watching every tensor call of the package and of upstream's host pool)."""
+    from sglang.srt.mem_cache import memory_pool_host
+
+    host, device_pool = _backed_up(stacks, monkeypatch)
+    ledger = _ledger(host)
+    for name in ("transfer_kv_all_layer_mla", "transfer_kv_per_layer_mla"):  # the CPU stand-ins of CUDA copies
+        real = getattr(memory_pool_host, name)
+
+        def unwatched(*a, _real=real, **k):
+            with torch._C.DisableTorchFunction():
+                return _real(*a, **k)
+
+        monkeypatch.setattr(memory_pool_host, name, unwatched)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: pytest.fail("torch.cuda.synchronize called"))
+    with _NoHostSync():
+        host.backup_from_device_all_layer(device_pool, _slots([40]), _slots([13]), "kernel")
+        slot = ledger.counter.update_producer()
+        for layer in range(host.layer_num):
+            host.load_to_device_per_layer(device_pool, _slots([6, 7, 40]), _slots([20, 21, 22]), layer, "kernel")
+        ledger.counter.set_consumer(slot)
+        ledger.note_writes(0, host.device_buffers[0], torch.tensor([23 * 64, 23 * 64 + 1]))
+        for layer in range(host.layer_num):
+            ledger.check_reads(layer, host.device_buffers[layer])
+    assert read(host, slot) == []  # the verdicts, read where the scheduler processes the result
 
 
 def test_without_the_mode_the_same_corruption_passes_silently(stacks, monkeypatch):
@@ -75,7 +246,11 @@ def test_without_the_mode_the_same_corruption_passes_silently(stacks, monkeypatc
     host, device_pool = index_host(built), result.token_to_kv_pool.c4_indexer_kv_pool
     assert host.index_k_ledger is None
     cpu_page_mover.install(monkeypatch, host)
-    _back_up_and_corrupt(host, device_pool, "layer_first", torch.Generator().manual_seed(7))
+    gen = torch.Generator().manual_seed(7)
+    for buf in host.device_buffers:
+        buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
+    host.backup_from_device_all_layer(device_pool, _slots([6, 7, 8]), _slots([10, 11, 12]), "kernel")
+    host.kv_buffer[1][7][1000] ^= 0x01
     original = host.device_buffers[1][11].clone()
     host.load_to_device_per_layer(device_pool, _slots([6, 7, 8]), _slots([20, 21, 22]), 1, "kernel")
     assert int((host.device_buffers[1][21] != original).sum()) == 1

@@ -1,4 +1,4 @@
-"""Integrity mode fails only the request whose prefix reads a page that came back corrupt.
+"""Integrity mode fails only the requests that read a page the C4 indexer found corrupt.
 
 The real bf16 HiCache stack (``stacks``), the CPU page movers of test_hicache
 (the CUDA copy kernels do not exist on CPU), the real ``req_to_token`` pool from
@@ -6,8 +6,10 @@ The real bf16 HiCache stack (``stacks``), the CPU page movers of test_hicache
 ``Scheduler.get_new_batch_prefill`` with the hooks applied by upstream's
 HookRegistry. Replaced: the scheduler's admission (``_get_new_batch_prefill_raw``:
 it needs a model runner and a radix tree) returns a prepared batch whose rows
-hold the prefixes, as ``prepare_for_extend`` writes them; and the HiCache load
-is driven layer by layer as ``L2TransferEngine.submit_host_to_device`` does.
+hold the prefixes, as ``prepare_for_extend`` writes them; upstream's own body of
+the prefill result processing (it needs a model worker's outputs), which the
+result hook wraps; and the forward, of which only the C4 indexer's reads run
+(test_integrity.py's ``load`` and ``read``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 import torch
 
 import cpu_page_mover
+import test_integrity
 from pool_harness import SLOTS_PER_FULL_PAGE
 from test_hicache import index_host
 
@@ -35,7 +38,7 @@ def _slots(pages):
 @pytest.fixture
 def stack(stacks, monkeypatch, request):
     """The bf16 stack (checksummed or not), its pages backed up, one host byte flipped."""
-    from dsv4_sm120.index_k.request_fail import QUARANTINE
+    from dsv4_sm120.index_k.integrity import QUARANTINE
 
     result, built, _ = stacks("layer_first", checksum=request.param)
     host, device_pool = index_host(built), result.token_to_kv_pool.c4_indexer_kv_pool
@@ -51,19 +54,23 @@ def stack(stacks, monkeypatch, request):
 
 
 def _load(host, device_pool, host_pages, device_pages):
-    """One HiCache load-back, layer by layer, as the L2 transfer engine issues it."""
+    """One HiCache load-back, layer by layer, as the L2 transfer engine issues it, then the forward's reads;
+    returns the load's slot (the batch's ``hicache_consumer_index``)."""
+    if host.index_k_ledger is None:
+        for layer in range(host.layer_num):
+            host.load_to_device_per_layer(device_pool, _slots(host_pages), _slots(device_pages), layer, "kernel")
+        return -1
+    slot = test_integrity.load(host, device_pool, host_pages, device_pages)
+    ledger = host.index_k_ledger
+    ledger.counter.set_consumer(slot)
     for layer in range(host.layer_num):
-        host.load_to_device_per_layer(device_pool, _slots(host_pages), _slots(device_pages), layer, "kernel")
+        ledger.check_reads(layer, host.device_buffers[layer])
+    ledger.counter.set_consumer(-1)
+    return slot
 
 
-def _step(result, prefixes: dict[str, list[int]], fresh_pages=(), tree_cache=None):
-    """One scheduling step through the hooked Scheduler.get_new_batch_prefill.
-
-    ``prefixes``: rid -> device pages its prefix reads; ``fresh_pages``: pages the
-    step allocates (its ``out_cache_loc``). Returns the requests by rid.
-    """
-    from sglang.srt.managers.schedule_batch import NextBatchPlan, Req, ScheduleBatch
-    from sglang.srt.managers.scheduler import Scheduler
+def _batch(result, prefixes: dict[str, list[int]], fresh_pages=()):
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     pool = result.req_to_token_pool
@@ -78,7 +85,36 @@ def _step(result, prefixes: dict[str, list[int]], fresh_pages=(), tree_cache=Non
     batch.req_pool_indices_cpu = torch.tensor(rows)
     batch.prefix_lens = lens
     batch.out_cache_loc = _slots(list(fresh_pages)) if fresh_pages else torch.empty(0, dtype=torch.int64)
+    return batch
 
+
+def _result(result, slot, prefixes: dict[str, list[int]], tree_cache=None):
+    """The scheduler processes the result of the forward that consumed load ``slot`` (batch ``prefixes``)."""
+    from types import SimpleNamespace
+
+    from dsv4_sm120.index_k import request_fail
+
+    batch = _batch(result, prefixes)
+    batch.hicache_consumer_index = slot
+    processor = SimpleNamespace(tree_cache=tree_cache)
+    upstream = []  # Replaced: upstream's body, which commits the batch's outputs (see the module docstring)
+    request_fail.process_prefill_result(lambda *a, **k: upstream.append(a), processor, batch,
+                                        SimpleNamespace(copy_done=None))
+    assert len(upstream) == 1, "the result hook must always hand the batch on to upstream"
+    return {req.rid: req for req in batch.reqs}
+
+
+def _step(result, prefixes: dict[str, list[int]], fresh_pages=(), tree_cache=None):
+    """One scheduling step through the hooked Scheduler.get_new_batch_prefill.
+
+    ``prefixes``: rid -> device pages its prefix reads; ``fresh_pages``: pages the
+    step allocates (its ``out_cache_loc``). Returns the requests by rid.
+    """
+    from sglang.srt.managers.schedule_batch import NextBatchPlan, ScheduleBatch
+    from sglang.srt.managers.scheduler import Scheduler
+
+    batch = _batch(result, prefixes, fresh_pages)
+    reqs = batch.reqs
     scheduler = object.__new__(Scheduler)
     scheduler.prefill_delayer = None
     scheduler.chunked_req = None
@@ -99,8 +135,9 @@ def test_corrupt_load_back_fails_only_the_request_that_reads_it(stack, caplog):
     result, host, device_pool = stack
     before = dict(COUNTERS)
     with caplog.at_level(logging.ERROR, logger="dsv4_sm120"):
-        _load(host, device_pool, HOST_PAGES, [20, 21, 22])  # no exception out of the load path
-        reqs = _step(result, {"hit": [20, 21], "same-load-other-page": [20], "other": [30, 31], "none": []})
+        slot = _load(host, device_pool, HOST_PAGES, [20, 21, 22])  # no exception out of the load or the read
+        assert COUNTERS["requests_failed"] == before["requests_failed"]
+        reqs = _result(result, slot, {"hit": [20, 21], "same-load-other-page": [20], "other": [30, 31], "none": []})
 
     assert COUNTERS["mismatches"] - before["mismatches"] == 1
     assert COUNTERS["requests_failed"] - before["requests_failed"] == 1
@@ -120,23 +157,23 @@ def test_the_corrupt_page_is_not_served_again(stack):
     from dsv4_sm120.index_k.integrity import COUNTERS
 
     result, host, device_pool = stack
-    _load(host, device_pool, HOST_PAGES, [20, 21, 22])
-    assert _step(result, {"first": [21]})["first"].discard_output_reason is not None
+    slot = _load(host, device_pool, HOST_PAGES, [20, 21, 22])
+    assert _result(result, slot, {"first": [21]})["first"].discard_output_reason is not None
     # a later request matching the same device copy
     assert _step(result, {"later-device-hit": [20, 21, 22]})["later-device-hit"].discard_output_reason is not None
     # the host copy loaded again, into other device pages
     mismatches = COUNTERS["mismatches"]
-    _load(host, device_pool, HOST_PAGES, [40, 41, 42])
+    slot = _load(host, device_pool, HOST_PAGES, [40, 41, 42])
+    reqs = _result(result, slot, {"later-host-hit": [41], "clean": [40, 42]})
     assert COUNTERS["mismatches"] == mismatches + 1
-    reqs = _step(result, {"later-host-hit": [41], "clean": [40, 42]})
     assert reqs["later-host-hit"].discard_output_reason is not None and reqs["clean"].discard_output_reason is None
     # once page 21 is handed out again (it shows up among a step's new slots) it is no longer suspect
     assert _step(result, {"reuse": [21]}, fresh_pages=[21])["reuse"].discard_output_reason is None
     # a new backup into the host page replaces the bytes the ledger expects
     host.backup_from_device_all_layer(device_pool, _slots([CORRUPT_HOST_PAGE]), _slots([50]), "kernel")
-    _load(host, device_pool, [CORRUPT_HOST_PAGE], [41])
+    slot = _load(host, device_pool, [CORRUPT_HOST_PAGE], [41])
+    assert _result(result, slot, {"after-rebackup": [41]})["after-rebackup"].discard_output_reason is None
     assert COUNTERS["mismatches"] == mismatches + 1
-    assert _step(result, {"after-rebackup": [41]})["after-rebackup"].discard_output_reason is None
 
 
 def _tp_rank(rank, port, result, host, device_pool, conn):
@@ -146,12 +183,12 @@ def _tp_rank(rank, port, result, host, device_pool, conn):
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         # (the host buffer is shared memory, so rank 1 loads another, intact host page into page 21)
-        _load(host, device_pool, HOST_PAGES if rank == 0 else [6, 8, 8], [20, 21, 22])
+        slot = _load(host, device_pool, HOST_PAGES if rank == 0 else [6, 8, 8], [20, 21, 22])
         # The real tree class, built without its constructor: only its HiCache groups are used.
         tree = object.__new__(UnifiedRadixCache)
         tree.attn_cp_group, tree.attn_tp_group = None, torch.distributed.group.WORLD
         tree.tp_world_size, tree.tp_group = 2, torch.distributed.group.WORLD
-        reqs = _step(result, {"hit": [21], "other": [30]}, tree_cache=tree)
+        reqs = _result(result, slot, {"hit": [21], "other": [30]}, tree_cache=tree)
         conn.send({rid: r.discard_output_reason and r.discard_output_reason.message for rid, r in reqs.items()})
     finally:
         torch.distributed.destroy_process_group()

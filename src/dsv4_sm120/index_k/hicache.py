@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 
 from dsv4_sm120 import settings
-from dsv4_sm120.index_k import layout
+from dsv4_sm120.index_k import integrity, layout
 
 _registered = False
 
@@ -54,7 +54,8 @@ def _strategy_class():
             result = super().build(**kwargs)
             host = result.host_pool_group.get_pool(PoolName.DEEPSEEK_V4_C4_INDEXER)
             check_mirror(host, kwargs["kvcache"].index_pools[4])
-            adopt(host, checksum=settings.load().index_k_checksum)
+            adopt(host, checksum=settings.load().index_k_checksum,
+                  counter=getattr(result.cache_controller, "layer_done_counter", None))
             return result
 
     return BF16IndexKStackStrategy
@@ -65,7 +66,7 @@ def _host_pool_class():
     from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
 
     class BF16IndexKHostPool(DeepSeekV4PagedHostPool):
-        """Upstream's V4 paged host pool; in integrity mode it checksums pages out and back in."""
+        """Upstream's V4 paged host pool; in integrity mode it checksums pages out and notes their loads."""
 
         index_k_ledger = None
 
@@ -74,7 +75,7 @@ def _host_pool_class():
             if (self.index_k_ledger is not None and self._has_transfer_indices(host_indices, device_indices)
                     and host_indices.numel() % self.slot_page_size == 0):
                 host_pages = self._to_page_indices(host_indices)
-                device_pages = self._to_page_indices(device_indices).to(self.device_buffers[0].device)
+                device_pages = integrity.on_device(self.device_buffers[0].device, self._to_page_indices(device_indices))
                 for layer, rows in enumerate(self.device_buffers):
                     self.index_k_ledger.record(layer, host_pages, rows.index_select(0, device_pages))
             return super().backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
@@ -84,24 +85,24 @@ def _host_pool_class():
             super().load_to_device_per_layer(device_pool, host_indices, device_indices, layer_id, io_backend,
                                              **kwargs)
             if self.index_k_ledger is not None and self._has_transfer_indices(host_indices, device_indices):
-                device_pages = self._to_page_indices(device_indices).to(self.device_buffers[0].device)
-                self.index_k_ledger.verify(
-                    layer_id, self._to_page_indices(host_indices), device_pages,
-                    self.device_buffers[layer_id].index_select(0, device_pages), self.pool_name,
-                )
+                # Checked where the C4 indexer reads the pages (integrity.PageLedger.check_reads), not here.
+                self.index_k_ledger.note_load(layer_id, host_indices, device_indices, self.slot_page_size)
 
     return BF16IndexKHostPool
 
 
-def adopt(host_pool, checksum: bool) -> None:
-    """Make the built index-K host pool page-aligned only, and checksummed in integrity mode."""
-    from dsv4_sm120.index_k.integrity import PageLedger
+def adopt(host_pool, checksum: bool, counter=None) -> None:
+    """Make the built index-K host pool page-aligned only, and checksummed in integrity mode.
 
+    ``counter`` is the stack's ``LayerDoneCounter``, whose producer slot a load takes and whose
+    consumer slot the forward reading it sets: it ties a load to the forward that checks it.
+    """
     host_pool.__class__ = _host_pool_class()
     host_pool.page_aligned_only = True
     if checksum:
-        host_pool.index_k_ledger = PageLedger(
-            host_pool.layer_num, host_pool.num_host_pages, host_pool.device_buffers[0].device
+        host_pool.index_k_ledger = integrity.LEDGER = integrity.PageLedger(
+            host_pool.layer_num, host_pool.num_host_pages, host_pool.device_buffers[0].device,
+            host_pool.pool_name, counter,
         )
 
 

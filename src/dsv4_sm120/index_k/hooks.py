@@ -22,6 +22,8 @@ def register(cfg: Settings) -> None:
     hook(planner.TARGET, planner.indexer_bytes_per_token)
     hook(pd.TARGET, pd.try_ensure_parallel_info)
     hook(request_fail.TARGET, request_fail.get_new_batch_prefill)
+    for target in request_fail.RESULT_TARGETS:
+        hook(target, request_fail.process_prefill_result)
     if cfg.index_k_checksum:
         # The PD send/receive check: with the switch off nothing is hooked (no extra frame).
         pd_integrity.register_hooks()

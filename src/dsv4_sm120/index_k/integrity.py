@@ -1,90 +1,305 @@
 """Integrity mode for bf16 index-K pages moved by HiCache (``DSV4_SM120_INDEX_K_CHECKSUM=1``).
 
-A page that comes back from host with a few wrong bytes does not crash
-anything: it silently changes the indexer's discrete top-512 selection and the
-output degrades into "token salad". In integrity mode every index-K page row is
-checksummed when it is backed up (before the copy is issued, on the same
-stream, so the sum is of what the device held when the backup started) and
-checked again right after it is loaded back. A mismatch increments
-:data:`COUNTERS` ``["mismatches"]``, logs layer, host page and device page, and
-quarantines the device page (:mod:`.request_fail`), which fails the requests
-whose prefix reads it instead of letting them run on it. Nothing is raised from
-the load: it runs inside the scheduler's step, for all admitted requests at once.
+A page that comes back from host with a few wrong bytes, or that is read before its load has
+landed, does not crash anything: it silently changes the indexer's discrete top-512 selection
+and the output degrades into "token salad". Integrity mode checks each loaded page where that
+happens, at its reader:
 
-The checksum is the kernels area's ``page_checksum`` (Triton on CUDA, its torch
-reference elsewhere). The check needs the comparison on the host, so it
-synchronizes the load stream once per loaded layer: this is a diagnostic mode.
+- **Backup** (:meth:`PageLedger.record`, on HiCache's device-to-host stream, before the copy
+  is issued): the checksum of every page row of every layer is kept per (layer, host page).
+- **Load** (:meth:`PageLedger.note_load`, inside upstream's per-layer load): the load's host
+  and device indices are noted under the load's producer slot of upstream's
+  ``LayerDoneCounter``, the slot the batch that reads them consumes. No GPU work, no wait.
+- **Read** (:meth:`PageLedger.check_reads`, called by the C4 indexer just before its logits
+  kernel, on the indexer's stream and in its order): the loaded pages of that layer are
+  checksummed as they are at that moment and compared with their backups on the GPU. A page
+  whose load has not landed when the indexer reads it, or that a late write overwrote after
+  it landed, holds other bytes than its backup and mismatches. The per-page verdicts go to
+  pinned host memory by a non-blocking copy behind the comparison.
+- **Verdict** (:meth:`PageLedger.collect`, in the scheduler's processing of that batch's
+  result, after upstream's own wait for the batch's outputs): mismatches are counted, logged
+  with layer, host page and device page, and quarantined (:mod:`.request_fail`), which fails
+  the requests that read them with HTTP 500 and later requests whose prefix still matches them.
+
+So the check adds no host synchronization to the copy path or to the forward, and it cannot
+close the window it watches: the pages are compared as the indexer finds them. A loaded page
+is a whole tree page (64 compressed keys of 256 complete tokens; the bf16 mirror refuses
+partial pages), and a forward writes new keys only into its freshly allocated pages, so a
+loaded page's backup checksum is still what it must hold when the indexer reads it.
+
+What is counted: ``page_checks`` (one per loaded page and layer, at its first read after the
+load), of them ``pages_verified`` (a backed-up page content checked for the first time: the
+distinct pages) and ``page_rechecks`` (the same content loaded and checked again); pages
+loaded with no checksum on record (backed up before integrity mode recorded them) are
+``pages_unrecorded`` and never counted as checked.
+
+The checksum is the kernels area's ``page_checksum`` (Triton on CUDA, its torch reference
+elsewhere).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
+from dsv4_sm120 import metrics
+from dsv4_sm120.kernels.page_checksum import page_checksum
+
 logger = logging.getLogger("dsv4_sm120.index_k.integrity")
 
-# Process-wide counters, read by tests and by whoever exports metrics. The ``pd_`` ones count
-# the PD (NIXL) send/receive check of :mod:`.pd_integrity`: pages checksummed on send and on
-# receive, mismatching pages, rooms failed, rooms received without a checksum frame.
-COUNTERS = {"pages_recorded": 0, "pages_checked": 0, "mismatches": 0, "requests_failed": 0,
+# Process-wide counters, read by tests and exported as ``sglang:dsv4_index_k_<name>_total``. The ``pd_``
+# ones count the PD (NIXL) send/receive check of :mod:`.pd_integrity`.
+COUNTERS = {"pages_recorded": 0, "page_checks": 0, "pages_verified": 0, "page_rechecks": 0,
+            "pages_unrecorded": 0, "mismatches": 0, "key_writes_checked": 0, "key_writes_lost": 0,
+            "requests_failed": 0,
             "pd_pages_recorded": 0, "pd_pages_checked": 0, "pd_mismatches": 0, "pd_rooms_failed": 0,
             "pd_rooms_unchecked": 0}
+
+LEDGER = None  # the process's PageLedger once an integrity-mode index-K host mirror is built
+
+OK, MISMATCH, UNRECORDED = 0, 1, 2  # a read row's verdict
+WRITES = -1  # the host page of a report's write row: (WRITES, first device page lost, keys lost, keys checked)
+SLOT_BYTES = 256  # one compressed bf16 key: a row of the page-row buffer seen as [num_pages * 64, 256]
 
 
 def count(name: str, n: int = 1) -> None:
     """Add ``n`` to ``COUNTERS[name]`` and to its ``sglang:dsv4_index_k_<name>_total`` counter."""
-    from dsv4_sm120 import metrics
-
     COUNTERS[name] += n
     metrics.inc(f"index_k_{name}_total", n)
 
 
-def _checksum(rows: torch.Tensor) -> torch.Tensor:
-    from dsv4_sm120.kernels.page_checksum import page_checksum
+@dataclass(frozen=True)
+class CorruptPage:
+    """One bf16 index-K page row that the indexer found unlike its backup."""
 
-    return page_checksum(rows)
+    pool: str
+    layer: int
+    host_page: int
+    device_page: int
+
+
+class Quarantine:
+    """Device pages whose index-K rows are known bad, with the first bad record of each."""
+
+    def __init__(self):
+        self.active = False  # set when an integrity-mode host mirror is built in this process
+        self.pages: dict[int, CorruptPage] = {}
+        self.unattributed: set[int] = set()
+
+    def report(self, page: CorruptPage) -> None:
+        self.pages.setdefault(page.device_page, page)
+        self.unattributed.add(page.device_page)
+
+    def clear(self, device_pages) -> None:
+        """These device pages now hold new bytes (reallocated, or a clean load landed)."""
+        for page in device_pages:
+            self.pages.pop(int(page), None)
+            self.unattributed.discard(int(page))
+
+
+QUARANTINE = Quarantine()
+
+
+def sample_gauges() -> dict:
+    """``sglang:dsv4_index_k_pages_quarantined``: device pages no request may read now."""
+    return {"index_k_pages_quarantined": len(QUARANTINE.pages)}
+
+
+@dataclass
+class _Load:
+    """One layer of one HiCache load: upstream's token indices, turned into pages at the read."""
+
+    host_indices: torch.Tensor
+    device_indices: torch.Tensor
+    slots_per_page: int
+
+
+@dataclass
+class _Writes:
+    """One layer's key stores in a forward that loads: their slots and checksums right after the store."""
+
+    slots: torch.Tensor
+    sums: torch.Tensor
+
+
+@dataclass
+class _Report:
+    """One layer's verdicts, on their way to the host: rows (host page, device page, verdict, first check)."""
+
+    layer: int
+    rows: torch.Tensor
+    landed: object  # a CUDA event recorded behind the copy, None off CUDA
+
+
+def on_device(device: torch.device, indices: torch.Tensor) -> torch.Tensor:
+    """``indices`` on ``device`` without a host wait (pinned staging for a CPU tensor going to a GPU)."""
+    if indices.device == device:
+        return indices
+    if device.type == "cuda" and indices.device.type == "cpu":
+        return indices.pin_memory().to(device, non_blocking=True)
+    return indices.to(device)
+
+
+def _pages(indices: torch.Tensor, slots_per_page: int) -> torch.Tensor:
+    """Page numbers of whole-page token indices, as upstream's host pool derives them."""
+    return indices.reshape(-1, slots_per_page)[:, 0].long() // slots_per_page
 
 
 class PageLedger:
-    """Expected checksum of every (layer, host page) of one index-K host mirror."""
+    """Backup checksums of one index-K host mirror, the loads in flight and the reader's verdicts."""
 
-    def __init__(self, num_layers: int, num_host_pages: int, device):
-        from dsv4_sm120 import metrics
-        from dsv4_sm120.index_k.request_fail import QUARANTINE, sample_gauges
-
-        QUARANTINE.active = True  # the scheduler hook now agrees on failed requests every prefill step
+    def __init__(self, num_layers: int, num_host_pages: int, device, pool_name: str = "index_k",
+                 counter=None):
+        QUARANTINE.active = True  # the scheduler hooks now fail requests that read a corrupt page
         metrics.add_sampler(sample_gauges)
-        self.expected = torch.zeros(num_layers, num_host_pages, dtype=torch.int64, device=device)
-        self.recorded = torch.zeros(num_layers, num_host_pages, dtype=torch.bool, device=device)
+        self.device = torch.device(device)
+        self.pool_name = pool_name
+        self.counter = counter  # upstream's LayerDoneCounter: a load's producer slot, a forward's consumer slot
+        self.expected = torch.zeros(num_layers, num_host_pages, dtype=torch.int64, device=self.device)
+        self.recorded = torch.zeros(num_layers, num_host_pages, dtype=torch.bool, device=self.device)
+        self.verified = torch.zeros(num_layers, num_host_pages, dtype=torch.bool, device=self.device)
+        self.loads: dict[int, dict[int, list[_Load]]] = {}  # producer slot -> layer -> loads
+        self.writes: dict[int, dict[int, list[_Writes]]] = {}  # consumer slot -> layer -> key stores
+        self.reports: dict[int, list[_Report]] = {}  # consumer slot -> verdicts in flight
 
+    # --- backup (HiCache's device-to-host stream) ---------------------------------------------
     def record(self, layer: int, host_pages: torch.Tensor, device_rows: torch.Tensor) -> None:
         """Checksum the device page rows about to be backed up into ``host_pages``."""
-        host_pages = host_pages.to(self.expected.device)
-        self.expected[layer, host_pages] = _checksum(device_rows)
+        host_pages = on_device(self.device, host_pages)
+        self.expected[layer, host_pages] = page_checksum(device_rows)
         self.recorded[layer, host_pages] = True
+        self.verified[layer, host_pages] = False  # new content: its first check is a distinct page again
         count("pages_recorded", int(host_pages.numel()))
 
-    def verify(self, layer: int, host_pages: torch.Tensor, device_pages: torch.Tensor,
-               loaded_rows: torch.Tensor, pool_name: str = "index_k") -> list:
-        """Compare the loaded rows with the checksums taken at backup; quarantine and return the bad pages."""
-        from dsv4_sm120.index_k.request_fail import QUARANTINE, CorruptPage
+    # --- load (inside upstream's per-layer load) ----------------------------------------------
+    def note_load(self, layer: int, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                  slots_per_page: int) -> None:
+        """Note one layer's load for the forward that consumes it; issues no GPU work."""
+        slot = self.counter.producer_index if self.counter is not None else 0
+        self.loads.setdefault(slot, {}).setdefault(layer, []).append(_Load(host_indices, device_indices, slots_per_page))
 
-        if layer == 0 and QUARANTINE.pages:
-            # A load writes every layer of its device pages, first layer first: whatever was
-            # quarantined there is overwritten; this load's own mismatches quarantine them again.
-            QUARANTINE.clear(device_pages.cpu().tolist())
-        host_pages = host_pages.to(self.expected.device)
-        bad = (_checksum(loaded_rows) != self.expected[layer, host_pages]) & self.recorded[layer, host_pages]
-        count("pages_checked", int(host_pages.numel()))
-        bad = bad.cpu()
-        if not bool(bad.any()):
-            return []
-        where = bad.nonzero().flatten()
-        count("mismatches", int(where.numel()))
-        found = [CorruptPage(pool_name, layer, int(host_pages[i]), int(device_pages[i])) for i in where]
+    # --- read (the C4 indexer's stream, just before its logits kernel) ------------------------
+    def check_reads(self, layer: int, rows: torch.Tensor) -> None:
+        """Compare this layer's pages loaded for the running forward with their backups, as they are now.
+
+        ``rows`` is the layer's uint8 page-row buffer [num_pages, 16384]. Queues GPU work and one
+        non-blocking copy of the verdicts; never waits.
+        """
+        slot = self._consumer(rows)
+        if slot < 0:
+            return
+        for writes in self.writes.get(slot, {}).pop(layer, []):
+            self.reports.setdefault(slot, []).append(self._to_host(layer, self._writes_row(writes, rows)))
+        for load in self.loads.get(slot, {}).pop(layer, []):
+            device_indices = on_device(rows.device, load.device_indices)
+            host_pages = _pages(on_device(self.device, load.host_indices), load.slots_per_page)
+            device_pages = _pages(device_indices, load.slots_per_page)
+            if device_indices.device.type == "cuda":  # upstream may free its index tensors before this stream reads
+                device_indices.record_stream(torch.cuda.current_stream(device_indices.device))
+            sums = page_checksum(rows.index_select(0, device_pages))
+            recorded = self.recorded[layer, host_pages]
+            verdict = torch.where(recorded, (sums != self.expected[layer, host_pages]).long(), UNRECORDED)
+            first = recorded & ~self.verified[layer, host_pages]
+            self.verified[layer, host_pages] = self.verified[layer, host_pages] | recorded
+            report = torch.stack([host_pages, device_pages, verdict, first.long()], 1)
+            self.reports.setdefault(slot, []).append(self._to_host(layer, report))
+
+    def _consumer(self, rows: torch.Tensor) -> int:
+        """The load slot of the running forward, -1 without one (decode graphs never load, nor check)."""
+        if rows.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return -1
+        return self.counter.consumer_index if self.counter is not None else 0
+
+    # --- the writer side: a key a forward stored must still be there when it reads the layer -----
+    def note_writes(self, layer: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Checksum the keys a forward that loads just stored at compressed ``slots`` (-1: none), right after
+        the store on its stream; :meth:`check_reads` checks them again at the layer's read. A load landing on
+        those slots in between (a key write lost to a later load) shows as a lost write."""
+        slot = self._consumer(rows)
+        if slot < 0 or not slots.numel():
+            return
+        keys = rows.view(-1, SLOT_BYTES)
+        sums = page_checksum(keys.index_select(0, slots.clamp(min=0)))
+        self.writes.setdefault(slot, {}).setdefault(layer, []).append(_Writes(slots, sums))
+
+    @staticmethod
+    def _writes_row(writes: _Writes, rows: torch.Tensor) -> torch.Tensor:
+        keys = rows.view(-1, SLOT_BYTES)
+        valid = writes.slots >= 0
+        lost = (page_checksum(keys.index_select(0, writes.slots.clamp(min=0))) != writes.sums) & valid
+        pages = torch.where(lost, writes.slots // (keys.shape[0] // rows.shape[0]), torch.iinfo(torch.int64).max)
+        first = torch.where(lost.any(), pages.min(), -1)
+        return torch.stack([torch.full_like(first, WRITES), first, lost.sum(), valid.sum()]).view(1, 4)
+
+    @staticmethod
+    def _to_host(layer: int, report: torch.Tensor) -> _Report:
+        if report.device.type != "cuda":
+            return _Report(layer, report.clone(), None)
+        rows = torch.empty(report.shape, dtype=report.dtype, pin_memory=True)
+        rows.copy_(report, non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record()
+        return _Report(layer, rows, landed)
+
+    # --- verdict (the scheduler, processing the result of the forward that read the pages) ----
+    def collect(self, slot: int) -> list[CorruptPage]:
+        """Count the verdicts of the forward that consumed load ``slot``; quarantine and return the bad pages.
+
+        Called after upstream waited for that forward's outputs, which come after every verdict on
+        its stream, so each copy has landed; one that has not (a forward on another stream) is waited
+        for here, in the result processing, never in the copy path or the forward.
+        """
+        found: list[CorruptPage] = []
+        self.loads.pop(slot, None)  # the forward is done: what it did not read (no C4 layer ran) is dropped
+        self.writes.pop(slot, None)
+        for report in self.reports.pop(slot, []):
+            if report.landed is not None and not report.landed.query():
+                report.landed.synchronize()
+            rows = report.rows.tolist()
+            if rows and rows[0][0] == WRITES:
+                _, device_page, lost, checked = rows[0]
+                count("key_writes_checked", checked)
+                if lost:
+                    count("key_writes_lost", lost)
+                    logger.error("index-K key write lost: layer=%d device_page=%d and %d key(s) in all changed "
+                                 "between their store and the C4 indexer's read (a load landed on them)",
+                                 report.layer, device_page, lost)
+                    found.append(CorruptPage(self.pool_name, report.layer, WRITES, device_page))
+                continue
+            # A load writes every layer of its device pages: whatever was quarantined there is gone now;
+            # this load's own mismatches quarantine them again.
+            QUARANTINE.clear(device_page for _, device_page, _, _ in rows)
+            checked = [r for r in rows if r[2] != UNRECORDED]
+            first = sum(r[3] for r in checked)
+            count("page_checks", len(checked))
+            count("pages_verified", first)
+            count("page_rechecks", len(checked) - first)
+            count("pages_unrecorded", len(rows) - len(checked))
+            for host_page, device_page, verdict, _ in rows:
+                if verdict == MISMATCH:
+                    found.append(CorruptPage(self.pool_name, report.layer, host_page, device_page))
+        if any(page.host_page != WRITES for page in found):
+            count("mismatches", sum(page.host_page != WRITES for page in found))
         for page in found:
-            logger.error("index-K checksum mismatch: pool=%s layer=%d host_page=%d device_page=%d",
+            if page.host_page == WRITES:
+                QUARANTINE.report(page)
+                continue
+            logger.error("index-K checksum mismatch at read: pool=%s layer=%d host_page=%d device_page=%d "
+                         "(the page the C4 indexer read differs from its HiCache backup)",
                          page.pool, page.layer, page.host_page, page.device_page)
             QUARANTINE.report(page)
         return found
+
+
+def check_reads(pool, layer_id: int, rows: torch.Tensor) -> None:
+    """The C4 indexer's read of layer ``layer_id`` (a model layer id of ``pool``'s stage): check its loaded pages."""
+    if LEDGER is not None:
+        LEDGER.check_reads(pool.layer_mapping[layer_id].compress_layer_id, rows)
+
+
+def note_writes(pool, layer_id: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """The C4 indexer's key store into layer ``layer_id``: keep what it wrote, to be found again at the read."""
+    if LEDGER is not None:
+        LEDGER.note_writes(pool.layer_mapping[layer_id].compress_layer_id, rows, slots)

@@ -1,79 +1,43 @@
-"""Fail only the requests that loaded a corrupt bf16 index-K page (integrity mode).
+"""Fail only the requests that read a bf16 index-K page that integrity mode found corrupt.
 
-HiCache merges the load-backs of every request admitted in one scheduling step
-into one host-to-device operation, and the host pool that verifies the pages
-(``BF16IndexKHostPool.load_to_device_per_layer``) knows pages, not requests. A
-mismatch raised from there would leave the scheduler's load path (taking the
-scheduler down, or being swallowed somewhere above it) and would name no
-request. So the ledger only *reports* a bad page here (:data:`QUARANTINE`), and
-this module attributes it when the step's prefill batch is complete: the AROUND
-hook on ``Scheduler.get_new_batch_prefill`` looks at each request's prefix row
-in ``req_to_token`` — exactly the device slots the forward will read — and a
-request whose prefix covers a quarantined page is failed with upstream's own
-"KV never landed" mechanism: ``discard_output_reason`` (a ``FINISH_ABORT`` the
-result processor finishes it with, dropping that forward's output) and
-``skip_radix_cache_insert`` (its KV never enters the tree). Other requests of
-the batch run on.
+The C4 indexer checks the pages HiCache loaded for a forward as it reads them, and the verdicts
+reach the host with that forward's result (:mod:`.integrity`). The pages are known to the host
+pool and the indexer, not the requests, so a bad page is *reported* to :data:`QUARANTINE` and
+attributed here, at two points, by each request's prefix row in ``req_to_token`` (exactly the
+device slots its forward reads):
 
-A quarantined device page stays quarantined, so a later request whose prefix
-still matches the tree node that holds it is failed too, until the page is
-handed out again by the allocator (it then appears among a batch's freshly
-allocated slots, ``out_cache_loc``) or a new load-back is written into it. The
-host copy needs no bookkeeping: the ledger keeps the checksum it expects, so
-every later load of that host page mismatches again, until a new backup
-rewrites the page.
+- when the scheduler processes the result of the forward that read the page (an AROUND hook on
+  upstream's prefill result processing, plain and PD), before upstream commits that forward's
+  output: the requests that read it are failed with upstream's own "KV never landed" mechanism,
+  ``discard_output_reason`` (a ``FINISH_ABORT`` with HTTP 500 the result processor finishes them
+  with, dropping that forward's output) and ``skip_radix_cache_insert`` (their KV never enters
+  the tree). Other requests of the batch run on;
+- when a later prefill batch is complete (an AROUND hook on ``Scheduler.get_new_batch_prefill``):
+  a request whose prefix still matches the tree node that holds a quarantined page is failed the
+  same way, before its forward, until the page is handed out again by the allocator (it then
+  appears among a batch's freshly allocated slots, ``out_cache_loc``) or a new load-back is
+  written into it. The host copy needs no bookkeeping: the ledger keeps the checksum it expects,
+  so every later load of that host page mismatches again, until a new backup rewrites the page.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from http import HTTPStatus
 
-from dsv4_sm120.index_k import layout
+from dsv4_sm120.index_k import integrity, layout
+from dsv4_sm120.index_k.integrity import QUARANTINE, CorruptPage
 
 TARGET = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
+RESULT_TARGETS = (  # upstream's processing of a prefill batch's result: plain, and a PD prefill's
+    "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
+    ".process_batch_result_prefill",
+    "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill",
+)
 COMPRESS_RATIO = 4  # C4: one compressed index slot per 4 tokens
 TOKENS_PER_INDEX_PAGE = layout.SLOTS_PER_PAGE * COMPRESS_RATIO  # 256: one tree page
 
 logger = logging.getLogger("dsv4_sm120.index_k.request_fail")
-
-
-@dataclass(frozen=True)
-class CorruptPage:
-    """One bf16 index-K page row that came back from host unlike its backup."""
-
-    pool: str
-    layer: int
-    host_page: int
-    device_page: int
-
-
-class Quarantine:
-    """Device pages whose index-K rows are known bad, with the first bad record of each."""
-
-    def __init__(self):
-        self.active = False  # set when an integrity-mode host mirror is built in this process
-        self.pages: dict[int, CorruptPage] = {}
-        self.unattributed: set[int] = set()
-
-    def report(self, page: CorruptPage) -> None:
-        self.pages.setdefault(page.device_page, page)
-        self.unattributed.add(page.device_page)
-
-    def clear(self, device_pages) -> None:
-        """These device pages now hold new bytes (reallocated, or a clean load landed)."""
-        for page in device_pages:
-            self.pages.pop(int(page), None)
-            self.unattributed.discard(int(page))
-
-
-QUARANTINE = Quarantine()
-
-
-def sample_gauges() -> dict:
-    """``sglang:dsv4_index_k_pages_quarantined``: device pages no request may read now."""
-    return {"index_k_pages_quarantined": len(QUARANTINE.pages)}
 
 
 def _pages(slots) -> set[int]:
@@ -82,13 +46,15 @@ def _pages(slots) -> set[int]:
 
 
 def abort_message(rid: str, bad: list[CorruptPage]) -> str:
-    where = ", ".join(f"device page {p.device_page} (host page {p.host_page}) layer {p.layer}" for p in bad[:8])
+    where = ", ".join(f"device page {p.device_page} " + ("(a key write lost to a load)" if p.host_page == integrity.WRITES
+                                                         else f"(host page {p.host_page})") + f" layer {p.layer}"
+                      for p in bad[:8])
     more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
     return (
-        f"Request {rid} failed: bf16 index-K checksum mismatch on HiCache load-back: {where}{more} "
-        f"came back from the host mirror ({bad[0].pool}) different from what was backed up. "
-        f"Caught by DSV4_SM120_INDEX_K_CHECKSUM=1; the request was not allowed to run on the corrupt "
-        f"page. Retry it: the page is quarantined and will be recomputed."
+        f"Request {rid} failed: bf16 index-K checksum mismatch: {where}{more} "
+        f"read by the C4 indexer different from its HiCache backup ({bad[0].pool}). "
+        f"Caught by DSV4_SM120_INDEX_K_CHECKSUM=1; nothing computed from the corrupt page was returned. "
+        f"Retry it: the page is quarantined and will be recomputed."
     )
 
 
@@ -148,15 +114,13 @@ def fail_affected_requests(batch, tree_cache=None) -> list:
     """
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    from dsv4_sm120.index_k.integrity import count
-
     failed = []
     for req, bad in zip(batch.reqs, _agree(tree_cache, _local_findings(batch))):
         if not bad:
             continue
         req.discard_output_reason = FINISH_ABORT(abort_message(req.rid, bad), HTTPStatus.INTERNAL_SERVER_ERROR)
         req.skip_radix_cache_insert = True
-        count("requests_failed", 1)
+        integrity.count("requests_failed", 1)
         for p in bad:
             logger.error("index-K checksum mismatch fails request rid=%s: pool=%s layer=%d host_page=%d "
                          "device_page=%d", req.rid, p.pool, p.layer, p.host_page, p.device_page)
@@ -165,7 +129,7 @@ def fail_affected_requests(batch, tree_cache=None) -> list:
 
 
 def get_new_batch_prefill(original, scheduler, *args, **kwargs):
-    """AROUND hook: after the step's load-backs were issued and verified, fail the requests they corrupted."""
+    """AROUND hook: fail the requests of a new prefill batch whose prefix still reads a quarantined page."""
     plan = original(scheduler, *args, **kwargs)
     batch = plan.batch_to_run
     if batch is None or not QUARANTINE.active:
@@ -175,3 +139,20 @@ def get_new_batch_prefill(original, scheduler, *args, **kwargs):
             # Upstream's path for a chunked request whose KV load failed: stop its next chunk.
             scheduler._pending_chunked_abort_req = req
     return plan
+
+
+def process_prefill_result(original, processor, batch, result, *args, **kwargs):
+    """AROUND hook: before upstream commits a prefill forward's output, fail the requests whose pages the
+    C4 indexer found unlike their backups in that forward (integrity mode).
+
+    Upstream's first step here is to wait for the forward's outputs (``copy_done``); it is taken a
+    few lines early so that the verdicts, copied to the host behind the indexer's checks on the same
+    stream, have landed: nothing waits that upstream would not have waited for.
+    """
+    slot = getattr(batch, "hicache_consumer_index", -1)
+    if integrity.LEDGER is not None and slot >= 0:
+        if getattr(result, "copy_done", None) is not None:
+            result.copy_done.synchronize()
+        integrity.LEDGER.collect(slot)
+        fail_affected_requests(batch, processor.tree_cache)  # on every TP rank: they agree on the failures
+    return original(processor, batch, result, *args, **kwargs)

@@ -27,6 +27,7 @@ from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
 from sglang.srt.runtime_context import get_memory
 
 from dsv4_sm120 import settings
+from dsv4_sm120.index_k import integrity
 from dsv4_sm120.kernels.index_k_store import store_index_k_bf16
 from dsv4_sm120.kernels.index_query import index_query_bf16
 from dsv4_sm120.kernels.mqa_logits import LogitsCall, bf16_paged_mqa_logits
@@ -132,10 +133,12 @@ def store_index_keys(indexer: C4Indexer, backend, x: torch.Tensor, forward_batch
         head_dim=comp.head_dim,
         compress_ratio=C4_RATIO,
     )
+    pages = backend.token_to_kv_pool.index_k_pages_bf16(indexer.layer_id)  # behind the HiCache load fence
+    out_loc = backend._get_out_loc(C4_RATIO)
     store_index_k_bf16(
         kv,
-        backend.token_to_kv_pool.index_k_pages_bf16(indexer.layer_id),  # behind the HiCache load fence
-        backend._get_out_loc(C4_RATIO),
+        pages,
+        out_loc,
         norm_weight=comp.norm.weight,
         norm_eps=comp.norm.variance_epsilon,
         freqs=comp.freqs_cis,
@@ -143,6 +146,8 @@ def store_index_keys(indexer: C4Indexer, backend, x: torch.Tensor, forward_batch
         plan=plan[1],
         compress_ratio=C4_RATIO,
     )
+    if integrity.LEDGER is not None:  # integrity mode: what was stored must still be there at the read
+        integrity.note_writes(backend.token_to_kv_pool, indexer.layer_id, pages.view(torch.uint8).flatten(1), out_loc)
 
 
 def _rows(tensor: torch.Tensor, rows: int, value) -> torch.Tensor:
@@ -236,6 +241,8 @@ def select_topk(indexer: C4Indexer, backend, inputs: TopkInputs, q: torch.Tensor
     if raw is None and capturer is not None:
         raw = torch.empty_like(inputs.out_pages)
     pages = backend.token_to_kv_pool.index_k_pages_bf16(indexer.layer_id)  # behind the HiCache load fence
+    if integrity.LEDGER is not None:  # integrity mode: this layer's loaded pages, as this read finds them
+        integrity.check_reads(backend.token_to_kv_pool, indexer.layer_id, pages.view(torch.uint8).flatten(1))
     if inputs.call is not None:  # one chunk: everything but this layer's queries, weights and pool is bound
         logits = inputs.call(q, pages, weights)
         run_topk_transform(backend, im, logits, inputs.seq_lens, inputs.page_table, inputs.out_pages, raw, whole=True)

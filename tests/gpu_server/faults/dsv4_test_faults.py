@@ -6,11 +6,14 @@ beside the package. Nothing here is in the wheel and no product switch reaches i
 picks the fault:
 
 - ``plant_one_page``: after upstream's copy kernel has loaded a bf16 index-K layer back from host (and
-  before the package verifies it), one byte of one loaded page is flipped, once per process: the
-  integrity mode must count it, name the page and layer, quarantine the page and fail its request.
+  before the C4 indexer reads it), one byte of one loaded page is flipped, once per process: the
+  integrity mode must count it at the read, name the page and layer, quarantine the page and fail its request.
 - ``fence_off``: the package's bf16 index-K accessors stop waiting for the layer's HiCache load to land
   (upstream's own accessors of that layer are left as they are), to show what upstream's ordering gives
   without the package's fence.
+- ``fence_off_all``: the same, and upstream's own per-layer wait too (``wait_layer_transfer`` of the
+  DeepSeek-V4 pool, which its compressor-state and KV accessors take before the C4 indexer reads a layer):
+  nothing orders a forward after the loads it reads, the race the fence exists for.
 """
 
 from __future__ import annotations
@@ -64,11 +67,19 @@ def _fence_off() -> None:
     DSV4SM120TokenToKVPool.set_index_k_bf16 = set_bf16
 
 
+def _fence_off_all() -> None:
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+
+    _fence_off()
+    DeepSeekV4TokenToKVPool.wait_layer_transfer = lambda self, layer_id: None
+
+
+FAULTS = {"plant_one_page": _plant_one_page, "fence_off": _fence_off, "fence_off_all": _fence_off_all}
+
+
 def register() -> None:
     fault = os.environ.get("DSV4_TEST_FAULT", "")
-    if fault == "plant_one_page":
-        _plant_one_page()
-    elif fault == "fence_off":
-        _fence_off()
+    if fault in FAULTS:
+        FAULTS[fault]()
     elif fault:
-        raise ValueError(f"DSV4_TEST_FAULT={fault!r}: expected plant_one_page or fence_off")
+        raise ValueError(f"DSV4_TEST_FAULT={fault!r}: expected one of {sorted(FAULTS)}")
