@@ -83,8 +83,8 @@ def _tokens(salt):
     return lambda ids, n: [(sum(ids[-8:]) + salt + i) % 1000 for i in range(n)]
 
 
-def _topk(shift):
-    layers, k = models.c4_layers("tiny"), models.config("tiny")["index_topk"]
+def _topk(shift, model="tiny"):
+    layers, k = models.c4_layers(model), models.config(model)["index_topk"]
 
     def topk_of(ids):
         rows = len(ids) + 1
@@ -208,6 +208,29 @@ def test_hicache_storm_compares_waves_with_hicache_off_and_reads_the_counters(mo
     assert storm["metrics"]["index_k_page_checks_total"] == 48.0 * 4  # 4 waves answered during the storm
     assert res["outputs_vs_off"]["hc_kernel_layer_first"] == {"equal": 16, "compared": 16}
     assert res["outputs_vs_off"]["hc_direct"]["equal"] == 0
+
+
+def test_hicache_probes_compare_own_forward_selections_and_cost_runs_abba(monkeypatch):
+    """The top-k probe: the fence-in control's selections equal the reference's, the unfenced control's not;
+    the cost phase visits the integrity pair in ABBA order and reports both ratios."""
+    monkeypatch.setattr("bench.gpu_server.hicache.SELECTIVE_FROM", 0)
+    monkeypatch.setattr("bench.gpu_server.hicache.PROBES", 2)
+    monkeypatch.setattr("bench.gpu_server.hicache.PROBE_PREFIX_TOKENS", 40)
+    monkeypatch.setattr("bench.gpu_server.hicache.COST_SESSIONS", 4)
+    res = _small_storm(monkeypatch, {
+        "eager_off": _serve(_tokens(0), _topk(0, "hicache")),
+        "control_fence_in_delayed": _serve(_tokens(0), _topk(0, "hicache")),
+        "control_no_fence_delayed_unchecked": _serve(_tokens(0), _topk(5, "hicache")),
+        "hc_kernel_layer_first": _serve(_tokens(0), _topk(0)),
+        "hc_kernel_layer_first_checksum": _serve(_tokens(0), _topk(0)),
+        "off": _serve(_tokens(0), _topk(0))})
+    fenced, unfenced = res["topk_vs_off"]["control_fence_in_delayed"], res["topk_vs_off"]["control_no_fence_delayed_unchecked"]
+    assert fenced["requests"] == fenced["requests_equal"] == 2 and fenced["rows"] == fenced["rows_equal"] > 0
+    assert unfenced["requests"] == 2 and unfenced["requests_equal"] == 0 and unfenced["rows_equal"] == 0
+    assert res["probe_summary"]["eager_off"] == {"requests": 2, "failed_500": 0, "errors": 0}
+    cost = res["cost"]
+    assert [len(v) for v in cost["visits"].values()] == [4, 4]
+    assert cost["summary"]["throughput_on_over_off"] > 0 and cost["summary"]["ttft_p50_on_over_off"] > 0
 
 
 def test_a_server_that_stalls_mid_storm_is_named_and_its_answered_waves_still_compared(monkeypatch):

@@ -194,10 +194,12 @@ class PageLedger:
             self.reports.setdefault(slot, []).append(self._to_host(layer, self._writes_row(writes, rows)))
         for load in self.loads.get(slot, {}).pop(layer, []):
             device_indices = on_device(rows.device, load.device_indices)
-            host_pages = _pages(on_device(self.device, load.host_indices), load.slots_per_page)
+            host_indices = on_device(self.device, load.host_indices)
+            for indices in (device_indices, host_indices):
+                if indices.device.type == "cuda":  # upstream may free its index tensors before this stream reads
+                    indices.record_stream(torch.cuda.current_stream(indices.device))
+            host_pages = _pages(host_indices, load.slots_per_page)
             device_pages = _pages(device_indices, load.slots_per_page)
-            if device_indices.device.type == "cuda":  # upstream may free its index tensors before this stream reads
-                device_indices.record_stream(torch.cuda.current_stream(device_indices.device))
             sums = page_checksum(rows.index_select(0, device_pages))
             recorded = self.recorded[layer, host_pages]
             verdict = torch.where(recorded, (sums != self.expected[layer, host_pages]).long(), UNRECORDED)
