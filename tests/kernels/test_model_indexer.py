@@ -303,3 +303,30 @@ def test_bf16_store_path_writes_the_decode_plan_slots(kv, kern, monkeypatch):
     for slot in (3 * PAGE + 1, 4 * PAGE + 63):
         assert torch.equal(flat[slot], want[slot])
     assert flat[3 * PAGE + 2].isnan().all(), "a row that closes no group is not stored"
+
+
+def test_integrity_mode_checks_the_pages_the_indexer_reads_just_before_its_logits(kv, kern, env_torch_logits,
+                                                                                   monkeypatch):
+    """The reader-side check runs where the C4 indexer reads its layer: on the pages it reads, after the load
+    fence, before the logits kernel, on the same stream (the test records the order of the calls)."""
+    from dsv4_sm120.index_k import integrity
+    from dsv4_sm120.model import deepseek_v4
+
+    calls = []
+
+    class Ledger:  # stands in for the process's PageLedger: records what the indexer hands it
+        def check_reads(self, layer, rows):
+            calls.append(("check", layer, rows.data_ptr(), tuple(rows.shape)))
+
+        def note_writes(self, layer, rows, slots):
+            calls.append(("writes", layer))
+
+    real = deepseek_v4.bf16_paged_mqa_logits
+    monkeypatch.setattr(deepseek_v4, "bf16_paged_mqa_logits",
+                        lambda *a, **k: calls.append(("logits",)) or real(*a, **k))
+    monkeypatch.setattr(integrity, "LEDGER", Ledger())
+    c = _decode_case(kv, 4, chunk_rows=1)
+    _forward(c, skip_compressor=True)
+    layer = kv.layer_mapping[C4_LAYER].compress_layer_id
+    assert calls[0] == ("check", layer, c.pages.data_ptr(), (c.pages.shape[0], 64 * 256))
+    assert [k[0] for k in calls[1:]] == ["logits", "logits"]  # one per chunk, after the check
