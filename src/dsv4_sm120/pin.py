@@ -64,7 +64,7 @@ MANIFEST: tuple[Touch, ...] = (
         "model",
         "doctor --model-path reads the checkpoint's config as the server does (V4.1 verdict).",
     ),
-    # --- model + kernels: bf16 C4 indexer (issue #8) ---
+    # --- model + kernels: bf16 C4 indexer ---
     Touch("sglang.srt.layers.attention.dsv4.indexer.C4Indexer", "subclass", "model",
           "BF16C4Indexer replaces compute_q/forward: bf16 store, query and logits kernels; in a captured decode "
           "it keeps upstream's split over the indexer's alt_streams (weights, query beside the compression)."),
@@ -245,7 +245,7 @@ MANIFEST: tuple[Touch, ...] = (
         "disagg",
         "Loopback harness: KV/aux buffer description of DRAM CPU tensors.",
     ),
-    # --- index_k: bf16 index keys, memory layer (issue #4) ---
+    # --- index_k: bf16 index keys, memory layer ---
     Touch(
         "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_dsv4_kv_pool",
         "around",

@@ -1,9 +1,10 @@
-"""Hooks of the bf16 index-K area (issue #4).
+"""Hooks of the bf16 index-K area.
 
-All four are registered unconditionally and decide when called, from
-``--model-impl`` and ``DSV4_SM120_INDEX_K_DTYPE``, whether to act; with any
-other model impl or with ``fp8`` they call upstream unchanged (the request-failure
-hook acts only once integrity mode has quarantined a page). Hook bodies
+The pool builder, planner and PD handshake hooks are registered unconditionally and
+decide when called, from ``--model-impl`` and ``DSV4_SM120_INDEX_K_DTYPE``, whether
+to act; with any other model impl or with ``fp8`` they call upstream unchanged. The
+three request-failure hooks (admission, and the plain and PD prefill result) act
+only once an integrity-mode host mirror exists in the process. Hook bodies
 import upstream lazily: registering costs nothing. The five PD integrity hooks
 (:mod:`.pd_integrity`) are registered only when ``DSV4_SM120_INDEX_K_CHECKSUM=1``.
 """

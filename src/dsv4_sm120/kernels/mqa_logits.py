@@ -136,7 +136,7 @@ def decode_splits(rows: int, max_seq_len: int, *, device: torch.device, num_stag
     splits than the width has tiles.
 
     The search loops over up to 4 waves of programs (1,056 candidates for one row on the H200: 2.2 ms of host
-    time, issue 24), so its answer is kept in ``_SPLITS`` per device and everything else it depends on.
+    time), so its answer is kept in ``_SPLITS`` per device and everything else it depends on.
     """
     max_splits = max(1, cdiv(max_seq_len, PAGE_SLOTS * tile_pages * min_tiles))
     key = (rows, max_splits, _device_index(device), num_stages, num_warps, heads)
@@ -457,7 +457,7 @@ class LogitsCall:
 
     Every C4 layer of a forward scores its own queries against its own pool with the same lengths, page table and
     width into the same output, so a layer's call keys its plan on its three tensors only; the bound tensors'
-    layouts are read once, when the forward binds them (issue 24 d: each tensor's layout read costs an eager call
+    layouts are read once, when the forward binds them (each tensor's layout read costs an eager call
     about a microsecond of an H200 host's time). Returns the bound output.
     """
 
@@ -502,7 +502,7 @@ def _logits_plan(q, pages, weights, seq_lens, page_table, max_seq_len, out, spli
                  tile_pages, early_q, page_hint, strided, qloop_tiles, qloop_stages, num_warps, num_stages,
                  inline_store) -> _Plan:
     """Checks, split count, grid and launch of bf16_paged_mqa_logits for one layout of its arguments: the
-    per-call work of a call whose layout was seen before is reading six addresses (issue 24 d)."""
+    per-call work of a call whose layout was seen before is reading six addresses."""
     check_pages(pages)
     check_one_device(q, pages, weights, seq_lens, page_table, out)
     given = (q, weights, seq_lens, page_table)

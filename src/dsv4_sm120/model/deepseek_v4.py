@@ -169,7 +169,7 @@ class TopkInputs:
     layer's queries and logits are read by its own kernels before the next layer's are written on the same stream
     (or on upstream's indexer stream, joined every layer), so one set of buffers serves them all, and an eager
     layer's indexer calls allocate nothing and its logits call reads the layout of three tensors instead of six
-    (issue 24 d: on an H200 host the outputs' ``torch.empty`` were 6.3 of the logits call's 29 us of host time
+    (on an H200 host the outputs' ``torch.empty`` were 6.3 of the logits call's 29 us of host time
     and 12.2 of the query call's 28.5, bench/results/kernels/indexer_h200_2026-12-02_eager_786f569.json).
 
     Kept on the forward's metadata, so it lives as long as the forward does; metadata that outlives its forward
