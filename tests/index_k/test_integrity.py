@@ -27,11 +27,17 @@ def _slots(pages):
 
 
 def _ledger(host):
+    """The stack's ledger, its device pool holding a counter as upstream's ``_apply_stack_result`` registers one."""
+    from sglang.srt.managers.cache_controller import LayerDoneCounter
+
     from dsv4_sm120.index_k import integrity
 
-    assert host.index_k_ledger is not None
-    integrity.LEDGER = host.index_k_ledger  # this test's stack is the process's (the fixture caches several)
-    return host.index_k_ledger
+    ledger = host.index_k_ledger
+    assert ledger is not None
+    integrity.LEDGER = ledger  # this test's stack is the process's (the fixture caches several)
+    if ledger.kvcache.layer_transfer_counter is None:
+        ledger.kvcache.register_layer_transfer_counter(LayerDoneCounter(host.layer_num))
+    return ledger
 
 
 def load(host, device_pool, host_pages, device_pages, layers=None):
@@ -185,6 +191,31 @@ def test_a_key_write_lost_to_a_later_load_is_found_at_the_read(stacks, monkeypat
     assert "index-K key write lost: layer=1 device_page=21" in caplog.text
     assert 21 in QUARANTINE.pages
     QUARANTINE.pages.clear()
+
+
+def test_the_ledger_follows_the_counter_registered_on_the_pool_and_only_the_loading_forward_checks(
+        stacks, monkeypatch):
+    """Upstream registers (and its hybrid controller replaces) the load counter after the stack is built; the
+    ledger reads the one the fence waits on at every call. A forward that consumes no load checks nothing."""
+    from sglang.srt.managers.cache_controller import LayerDoneCounter
+
+    from dsv4_sm120.index_k.integrity import COUNTERS
+
+    host, device_pool = _backed_up(stacks, monkeypatch)
+    ledger = _ledger(host)
+    first = ledger.counter  # the counter the stack was built with, as a ledger sees it before serving
+    replaced = LayerDoneCounter(host.layer_num)
+    assert first is not None and first is not replaced
+    ledger.kvcache.register_layer_transfer_counter(replaced)
+    replaced.update_producer()
+    slot = load(host, device_pool, [6, 7, 8], [20, 21, 22])  # the second slot of the replacing counter
+    assert slot == 1 and replaced.producer_index == 1
+    before = COUNTERS["page_checks"]
+    replaced.set_consumer(-1)  # a forward without loads (a decode step) reads every layer first
+    for layer in range(host.layer_num):
+        ledger.check_reads(layer, host.device_buffers[layer])
+    assert COUNTERS["page_checks"] == before
+    assert read(host, slot) == [] and COUNTERS["page_checks"] - before == 3 * host.layer_num
 
 
 def test_pages_with_no_checksum_on_record_are_not_counted_as_checked(stacks, monkeypatch):

@@ -54,8 +54,7 @@ def _strategy_class():
             result = super().build(**kwargs)
             host = result.host_pool_group.get_pool(PoolName.DEEPSEEK_V4_C4_INDEXER)
             check_mirror(host, kwargs["kvcache"].index_pools[4])
-            adopt(host, checksum=settings.load().index_k_checksum,
-                  counter=getattr(result.cache_controller, "layer_done_counter", None))
+            adopt(host, checksum=settings.load().index_k_checksum, kvcache=kwargs["kvcache"])
             return result
 
     return BF16IndexKStackStrategy
@@ -91,18 +90,18 @@ def _host_pool_class():
     return BF16IndexKHostPool
 
 
-def adopt(host_pool, checksum: bool, counter=None) -> None:
+def adopt(host_pool, checksum: bool, kvcache=None) -> None:
     """Make the built index-K host pool page-aligned only, and checksummed in integrity mode.
 
-    ``counter`` is the stack's ``LayerDoneCounter``, whose producer slot a load takes and whose
-    consumer slot the forward reading it sets: it ties a load to the forward that checks it.
+    ``kvcache`` is the device KV pool: the ``LayerDoneCounter`` registered on it (the one its load
+    fence waits on) ties each load to the forward that checks it.
     """
     host_pool.__class__ = _host_pool_class()
     host_pool.page_aligned_only = True
     if checksum:
         host_pool.index_k_ledger = integrity.LEDGER = integrity.PageLedger(
             host_pool.layer_num, host_pool.num_host_pages, host_pool.device_buffers[0].device,
-            host_pool.pool_name, counter,
+            host_pool.pool_name, kvcache,
         )
 
 

@@ -151,18 +151,27 @@ class PageLedger:
     """Backup checksums of one index-K host mirror, the loads in flight and the reader's verdicts."""
 
     def __init__(self, num_layers: int, num_host_pages: int, device, pool_name: str = "index_k",
-                 counter=None):
+                 kvcache=None):
         QUARANTINE.active = True  # the scheduler hooks now fail requests that read a corrupt page
         metrics.add_sampler(sample_gauges)
         self.device = torch.device(device)
         self.pool_name = pool_name
-        self.counter = counter  # upstream's LayerDoneCounter: a load's producer slot, a forward's consumer slot
+        self.kvcache = kvcache  # the device KV pool whose load fence the readers take
         self.expected = torch.zeros(num_layers, num_host_pages, dtype=torch.int64, device=self.device)
         self.recorded = torch.zeros(num_layers, num_host_pages, dtype=torch.bool, device=self.device)
         self.verified = torch.zeros(num_layers, num_host_pages, dtype=torch.bool, device=self.device)
         self.loads: dict[int, dict[int, list[_Load]]] = {}  # producer slot -> layer -> loads
         self.writes: dict[int, dict[int, list[_Writes]]] = {}  # consumer slot -> layer -> key stores
         self.reports: dict[int, list[_Report]] = {}  # consumer slot -> verdicts in flight
+
+    @property
+    def counter(self):
+        """Upstream's ``LayerDoneCounter`` as registered on the device pool now: a load's producer slot, a
+        forward's consumer slot. Read at every call, never kept: upstream registers the cache controller's
+        counter on the pool after the stack is built, and its hybrid controller replaces the counter it
+        started with (on an H200 a ledger holding the first one saw every forward consume slot -1 and
+        checked nothing)."""
+        return getattr(self.kvcache, "layer_transfer_counter", None)
 
     # --- backup (HiCache's device-to-host stream) ---------------------------------------------
     def record(self, layer: int, host_pages: torch.Tensor, device_rows: torch.Tensor) -> None:
@@ -177,7 +186,8 @@ class PageLedger:
     def note_load(self, layer: int, host_indices: torch.Tensor, device_indices: torch.Tensor,
                   slots_per_page: int) -> None:
         """Note one layer's load for the forward that consumes it; issues no GPU work."""
-        slot = self.counter.producer_index if self.counter is not None else 0
+        counter = self.counter
+        slot = counter.producer_index if counter is not None else 0
         self.loads.setdefault(slot, {}).setdefault(layer, []).append(_Load(host_indices, device_indices, slots_per_page))
 
     # --- read (the C4 indexer's stream, just before its logits kernel) ------------------------
@@ -212,7 +222,8 @@ class PageLedger:
         """The load slot of the running forward, -1 without one (decode graphs never load, nor check)."""
         if rows.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return -1
-        return self.counter.consumer_index if self.counter is not None else 0
+        counter = self.counter
+        return counter.consumer_index if counter is not None else 0
 
     # --- the writer side: a key a forward stored must still be there when it reads the layer -----
     def note_writes(self, layer: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
