@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         "replaced": [],  # upstream calls routed elsewhere: none; a run that needs one names it here
         "servers": {},
     }
+    # The package the servers import is the bundle's wheel, which may be older than the checkout that drives them.
+    record["package_commit"] = ((record["bundle"] or {}).get("project") or {}).get("commit", "")[:7] or None
     started: list[Started] = []
     t0 = time.monotonic()
     try:
