@@ -44,8 +44,8 @@ MANIFEST: tuple[Touch, ...] = (
           "The registry --warmups names are looked up in; dsv4_shapes is added to it."),
     Touch("sglang.srt.managers.io_struct.GenerateReqInput", "calls", "model",
           "The warmup's requests, as upstream's own warmups build them."),
-    Touch("sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST", "calls", "model",
-          "A PD server's warmup requests go to the fake peer, as upstream's own warmups do."),
+    Touch("sglang.srt.entrypoints.http_server._global_state", "calls", "model",
+          "The KV pool's size the scheduler reported (scheduler_info), which bounds the warmup's longest prompt."),
     Touch(
         "sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM",
         "subclass",

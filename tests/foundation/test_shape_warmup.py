@@ -4,7 +4,8 @@ The probe loads the plugins as ``sglang.launch_server`` does, imports the real H
 ``execute_warmups`` by name at import) and runs that binding with a recording tokenizer manager (test
 infrastructure: it answers every request at once). What the server would be sent is then checked: every
 prompt fits the context, the long ones reach past the top-k threshold and a few chunks, the last groups
-run concurrently, and a PD server's requests go to upstream's fake peer.
+run concurrently; a small KV pool bounds the longest prompt to half of it; a group the server does not finish
+stops the warmup at its timeout, naming what stays cold; a PD server runs none of it and says so.
 """
 
 from __future__ import annotations
@@ -23,18 +24,28 @@ PROBE = textwrap.dedent(
     load_plugins()
     from sglang.srt.entrypoints import http_server
 
+    import logging
+    from dsv4_sm120.model import shape_warmup
+    shape_warmup.GROUP_TIMEOUT_S = 0.5
+    warned = []
+    logging.getLogger("dsv4_sm120.warmup").addHandler(
+        type("H", (logging.Handler,), {"emit": lambda self, r: warned.append(r.getMessage())})())
+
     class RecordingTokenizerManager:
         context_len, num_reserved_tokens = 8192, 0
         refuse_from = 8186  # what the scheduler reports for this context: min(context - 1, pool - 1) - 5
         server_args = types.SimpleNamespace(chunked_prefill_size=2048, max_running_requests=16)
         model_config = types.SimpleNamespace(vocab_size=1000)
-        def __init__(self, told):
+        def __init__(self, told, stuck_from=None):
             self.max_req_input_len = self.refuse_from if told else None
+            self.stuck_from = stuck_from
             self.seen, self.refused, self.open, self.most_open = [], [], 0, 0
         async def generate_request(self, req, raw):
             if len(req.input_ids) >= self.refuse_from:  # as upstream's validation does
                 self.refused.append(len(req.input_ids))
                 raise ValueError("Input length exceeds the maximum allowed length")
+            if self.stuck_from and len(req.input_ids) >= self.stuck_from:  # a prompt the scheduler never takes
+                await asyncio.sleep(3600)
             self.open += 1
             self.most_open = max(self.most_open, self.open)
             await asyncio.sleep(0)
@@ -44,10 +55,14 @@ PROBE = textwrap.dedent(
             yield {}
 
     out = {}
-    for case, mode, told in (("null", "null", True), ("prefill", "prefill", True), ("limit_unknown", "null", False)):
-        tm = RecordingTokenizerManager(told)
+    for case, mode, told, pool, stuck in (("null", "null", True, None, None), ("prefill", "prefill", True, None, None),
+                                          ("limit_unknown", "null", False, None, None),
+                                          ("small_pool", "null", True, 6000, None), ("stuck", "null", True, None, 4096)):
+        http_server._global_state = types.SimpleNamespace(scheduler_info={"max_total_num_tokens": pool}) if pool else None
+        tm = RecordingTokenizerManager(told, stuck)
+        warned.clear()
         asyncio.run(http_server.execute_warmups(mode, [sys.argv[1]], tm))
-        out[case] = {"seen": tm.seen, "most_open": tm.most_open, "refused": tm.refused}
+        out[case] = {"seen": tm.seen, "most_open": tm.most_open, "refused": tm.refused, "warned": list(warned)}
     print("PROBE" + json.dumps(out))
     """
 )
@@ -71,8 +86,22 @@ def test_warmups_dsv4_shapes_serves_every_shape_before_the_server_is_up():
     assert out["null"]["refused"] == []
     assert lengths.count(128) >= 16 and out["null"]["most_open"] == 16  # a full batch at once
     assert all(r["host"] is None for r in seen)
-    paired = out["prefill"]
-    assert paired["most_open"] == 1 and {r["host"] for r in paired["seen"]} == {"2.2.2.2"}
+
+
+def test_a_pd_server_runs_no_warmup_and_says_why():
+    paired = _probe("dsv4_shapes")["prefill"]
+    assert paired["seen"] == [] and any("does not run on a PD prefill server" in w for w in paired["warned"])
+
+
+def test_the_longest_prompt_takes_at_most_half_the_pool():
+    small = _probe("dsv4_shapes")["small_pool"]
+    assert max(r["tokens"] for r in small["seen"]) == 3000 and small["refused"] == []
+
+
+def test_a_group_the_server_does_not_finish_stops_the_warmup_at_its_timeout_naming_what_stays_cold():
+    stuck = _probe("dsv4_shapes")["stuck"]
+    assert max(r["tokens"] for r in stuck["seen"]) < 4096
+    assert any("1x4096 tokens not served within 0 s; stopped, left cold: 1x4096" in w for w in stuck["warned"])
 
 
 def test_a_shape_the_server_refuses_stays_cold_and_the_rest_still_run():

@@ -14,8 +14,12 @@ cached prefix), one batch of concurrent mid-size prompts and one full batch of s
 largest running batch). Each request decodes a few tokens, so decode at that context runs too.
 
 The warmups run inside the window in which sglang's launcher waits for the HTTP app to answer (about 120 s;
-past it the launcher kills the server), so the warmup stops starting groups after ``BUDGET_S`` and says
-which shapes it left cold.
+past it the launcher kills the server), so the warmup stops starting groups after ``BUDGET_S``, gives each
+group ``GROUP_TIMEOUT_S``, and says which shapes it left cold. The longest prompt is bounded by half the KV
+pool the scheduler reported as well as by the context: on an H200 a HiCache server with a 16384-token pool and
+context never scheduled a 16,377-token warmup prompt and never turned healthy. A PD server does not run it:
+its requests wait for a decode peer a warmup does not have (a PD prefill served 1 of 22 in 126 s); warm the
+pair through the router once both are up.
 """
 
 from __future__ import annotations
@@ -34,16 +38,20 @@ MIN_LONGEST = 16384  # the longest prompt is at least this (within the context),
 CHUNKS = 4
 MAX_BATCH = 64
 BUDGET_S = 80.0
+GROUP_TIMEOUT_S = 30.0
 
 
 def plan(context_len: int, chunk: int | None, max_running: int | None, reserved: int = 0,
-         max_input: int | None = None) -> list[tuple[int, int]]:
+         max_input: int | None = None, pool: int | None = None) -> list[tuple[int, int]]:
     """The warmup's groups as (concurrent requests, prompt tokens), in the order they are sent; every prompt
-    with its new tokens fits the context (``reserved``: tokens the server adds to each prompt) and stays under
-    the scheduler's own input limit (``max_input``: the pool or the context, less a margin)."""
+    with its new tokens fits the context (``reserved``: tokens the server adds to each prompt), stays under
+    the scheduler's own input limit (``max_input``: the pool or the context, less a margin) and takes at most
+    half the KV pool (``pool``: its tokens), so that it can be scheduled beside what the pool holds."""
     room = context_len - reserved - NEW_TOKENS - 1
     if max_input:
         room = min(room, max_input - 1)
+    if pool:
+        room = min(room, pool // 2)
     chunk = chunk if chunk and chunk > 0 else room
     longest = min(room, max(MIN_LONGEST, CHUNKS * chunk))
     lengths, n = {SHORT, MID}, 2048
@@ -58,21 +66,23 @@ def plan(context_len: int, chunk: int | None, max_running: int | None, reserved:
 
 async def dsv4_shapes(disaggregation_mode: str, tokenizer_manager) -> None:
     """The warmup itself, as sglang's ``execute_warmups`` calls it."""
-    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
     from sglang.srt.managers.io_struct import GenerateReqInput
 
+    if disaggregation_mode != "null":
+        logger.warning("dsv4-sm120: warmup %s does not run on a PD %s server: its requests would wait for a decode "
+                       "peer a warmup does not have; warm the pair through the router once both are up", NAME,
+                       disaggregation_mode)
+        return
     args = tokenizer_manager.server_args
     groups = plan(tokenizer_manager.context_len, args.chunked_prefill_size, args.max_running_requests,
-                  getattr(tokenizer_manager, "num_reserved_tokens", 0), getattr(tokenizer_manager, "max_req_input_len", None))
+                  getattr(tokenizer_manager, "num_reserved_tokens", 0), getattr(tokenizer_manager, "max_req_input_len", None),
+                  _pool_tokens())
     vocab = tokenizer_manager.model_config.vocab_size
     rng = random.Random(0)
-    paired = disaggregation_mode != "null"
 
     async def one(tokens: int) -> None:
         req = GenerateReqInput(input_ids=[rng.randrange(vocab) for _ in range(tokens)],
                                sampling_params={"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True})
-        if paired:  # a PD server warms up without a peer, as upstream's own warmups do
-            req.bootstrap_room, req.bootstrap_host = 0, FAKE_BOOTSTRAP_HOST
         async for _ in tokenizer_manager.generate_request(req, None):
             pass
 
@@ -83,11 +93,11 @@ async def dsv4_shapes(disaggregation_mode: str, tokenizer_manager) -> None:
                            _shapes(groups[i:]))
             break
         try:
-            if paired:  # one room at a time: every fake request shares room 0
-                for _ in range(count):
-                    await one(tokens)
-            else:
-                await asyncio.gather(*(one(tokens) for _ in range(count)))
+            await asyncio.wait_for(asyncio.gather(*(one(tokens) for _ in range(count))), GROUP_TIMEOUT_S)
+        except asyncio.TimeoutError:  # a group the server does not finish: the ones after it would queue behind it
+            logger.warning("dsv4-sm120: warmup %s: %dx%d tokens not served within %.0f s; stopped, left cold: %s",
+                           NAME, count, tokens, GROUP_TIMEOUT_S, _shapes(groups[i:]))
+            break
         except Exception as exc:  # a shape the server refuses stays cold; the server still starts
             logger.warning("dsv4-sm120: warmup %s: %dx%d tokens refused (%s: %s); that shape stays cold", NAME,
                            count, tokens, type(exc).__name__, exc)
@@ -95,6 +105,16 @@ async def dsv4_shapes(disaggregation_mode: str, tokenizer_manager) -> None:
         sent += count
     logger.info("dsv4-sm120: warmup %s served %d requests in %.1f s (prompts %s tokens)", NAME, sent,
                 time.monotonic() - t0, _shapes(groups))
+
+
+def _pool_tokens() -> int | None:
+    """The KV pool's tokens as the scheduler reported them to the HTTP process (None where not known)."""
+    try:
+        from sglang.srt.entrypoints import http_server
+
+        return int(http_server._global_state.scheduler_info["max_total_num_tokens"])
+    except (AttributeError, ImportError, KeyError, TypeError, ValueError):
+        return None
 
 
 def _shapes(groups: list[tuple[int, int]]) -> str:
