@@ -77,6 +77,8 @@ NEEDS_S = {"a_abort_storm": 90, "b_hostile_frames": 30, "c_pd_checksum": 20, "d_
 
 PAIR_ENV = {"DSV4_SM120_INDEX_K_CHECKSUM": "1", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "30",
             "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "30"}
+# Both sides eager (they start in a fraction of the time on a cold JIT cache), ``tiny``, the env above.
+PAIR_SHAPE = {"model": "tiny", "env": PAIR_ENV, "prefill": ({"graphs": False}, []), "decode": ({"graphs": False}, [])}
 HARDENING_OFF = {"DSV4_SM120_NIXL_HARDENING": "0"}
 OFF_SCENARIO = "b_hostile_frames_hardening_off"
 ROOM_RELEASES = ("sglang:dsv4_nixl_aborted_rooms_released_total", "sglang:dsv4_nixl_orphan_rooms_released_total")
@@ -117,16 +119,21 @@ class Pair:
 
 
 def start_pair(tag: str, switches: dict, models_root: Path, tokenizer: Path, log_dir: Path,
-               mem_fraction: float | None = None) -> Pair:
-    """Start a prefill and a decode of ``tiny`` over NIXL (not waited for); ``mem_fraction`` overrides the share."""
+               mem_fraction: float | None = None, shape: dict | None = None) -> Pair:
+    """Start a prefill and a decode over NIXL (not waited for); ``mem_fraction`` overrides the share. ``shape``
+    (default: this set's, :data:`PAIR_SHAPE`) gives the model, the base environment and, per mode, the
+    :class:`ServerSpec` fields and extra arguments."""
+    shape = shape or PAIR_SHAPE
     boot = free_port()
     pd_args = ["--disaggregation-transfer-backend", "nixl", "--disaggregation-bootstrap-port", str(boot)]
     started: list[Started] = []
     try:
         for mode in ("prefill", "decode"):
-            spec = ServerSpec(f"{mode}{tag}", "tiny", "dsv4", graphs=False, tokenizer=tokenizer,
-                              extra_args=["--disaggregation-mode", mode, *pd_args], extra_env={**PAIR_ENV, **switches},
-                              **({} if mem_fraction is None else {"mem_fraction": mem_fraction}))
+            fields, args = shape[mode]
+            spec = ServerSpec(f"{mode}{tag}", shape["model"], "dsv4", tokenizer=tokenizer,
+                              extra_args=["--disaggregation-mode", mode, *pd_args, *args],
+                              extra_env={**shape["env"], **switches},
+                              **{**fields, **({} if mem_fraction is None else {"mem_fraction": mem_fraction})})
             started.append(start(spec, models_root, log_dir))
     except BaseException:
         for s in started:
@@ -235,7 +242,7 @@ def patch_sglang() -> dict:
 
 
 def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict, out: dict,
-        mem_fraction: float | None = None) -> None:
+        mem_fraction: float | None = None, ready=None) -> None:
     """Start both pairs, serve the first, run the scenarios in order (``out`` filled as each ends), stop all;
     ``servers`` gets every launch line. A first pair that does not serve ends the run with its error."""
     work = log_dir / "work"
@@ -252,6 +259,8 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
             servers.update(pairs[-1].launches())  # now: a run stopped while it stops its servers keeps them
         fixed, off = pairs[0], pairs[-1]
         serve(fixed, log_dir)
+        if ready is not None:
+            ready()
         since = checks.dsv4_counters(fixed.cluster)
         deadline = time.monotonic() + BUDGET_S
         out["budget_s"] = BUDGET_S

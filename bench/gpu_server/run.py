@@ -24,14 +24,14 @@ import tarfile
 import time
 from pathlib import Path
 
-from bench.gpu_server import hicache, pd, scenarios
+from bench.gpu_server import agents, hicache, incident, pd, scenarios
 from bench.gpu_server.servers import Started, launch_line, log_tail, start, wait_healthy
 
 SETS = {"serve": (scenarios.serve_specs, scenarios.run_serve), "cost": (scenarios.cost_specs, scenarios.run_cost),
         "hicache": (hicache.specs, hicache.run)}
 # Sets that start their own processes: run(models_root, log_dir, startup_timeout, servers record, results,
-# mem_fraction=None)
-OWN_PROCESSES = {"pd": pd.run}
+# mem_fraction=None, ready=None); ready(), when given, is called once their servers serve, before their traffic
+OWN_PROCESSES = {"pd": pd.run, "incident": incident.run, "agents": agents.run}
 VERSIONS_PY = (
     "import json, importlib.metadata as m\n"
     "names = ['torch', 'triton', 'sglang', 'sglang-kernel', 'sgl-kernel', 'sgl-deep-gemm', 'deep-gemm',\n"
@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_server run", description=__doc__.splitlines()[0])
     ap.add_argument("set", choices=sorted(SETS | OWN_PROCESSES),
                     help="serve: scenarios a, b, e, f (tiny); cost: scenario c (flash12); hicache: the HiCache storm; "
-                         "pd: a prefill/decode pair over NIXL behind the PD router under the PD scenarios (tiny)")
+                         "pd: a prefill/decode pair over NIXL behind the PD router under the PD scenarios (tiny); "
+                         "incident: PD pairs with HiCache and decode graphs under killed 80-session agents (hicache); "
+                         "agents: HiCache's gain and the fixes' price on an agent workload at C=4 and C=64 (flash12)")
     ap.add_argument("--bundle", type=Path, default=Path(os.environ.get("DSV4_BUNDLE_ROOT", "/tmp/dsv4-bundle/root")),
                     help="the unpacked bundle (its models/ holds the checkpoints)")
     ap.add_argument("--out", type=Path, required=True, help="the JSON to write")
@@ -122,8 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         record["results"] = {}
         if args.set in OWN_PROCESSES:
+            def ready() -> None:  # the set's servers serve: wait for --after before the timed traffic
+                if args.after is not None:
+                    record["waited_for"] = {"file": str(args.after),
+                                            "seconds": wait_for_file(args.after, args.after_timeout)}
+
             OWN_PROCESSES[args.set](args.bundle / "models", log_dir, args.startup_timeout, record["servers"],
-                                    record["results"], mem_fraction=args.mem_fraction)
+                                    record["results"], mem_fraction=args.mem_fraction, ready=ready)
         else:
             make_specs, run_set = SETS[args.set]
             specs = [s for s in make_specs() if not args.only or s.name in args.only.split(",")]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 
+import checks
+
 
 def test_toolcall_check_on_a_random_model_is_inconclusive(pd, e2e_env, tmp_path, record):
     out = tmp_path / "toolcall.json"
@@ -22,3 +24,17 @@ def test_toolcall_check_on_a_random_model_is_inconclusive(pd, e2e_env, tmp_path,
     assert report["verdict"] == "inconclusive" and proc.returncode == 2, json.dumps(report)[:2000]
     assert all(k["tool_call"] == 0 and k["corrupted"] == 0 for k in kinds), kinds
     assert sum(k["content"] for k in kinds) > 0, f"no turn was answered at all: {kinds}"
+
+
+def test_agent_bench_through_the_router_reads_the_prefill_cache_hits_and_leaves_nothing(pd, e2e_env, tmp_path, record):
+    out = tmp_path / "agent.json"
+    proc = e2e_env.cli("agent-bench", "--base-url", pd.front, "--model", "tiny", "--metrics-url", pd.prefill.url,
+                       "--sessions", "6", "--groups", "2", "--concurrency", "3", "--turns", "2", "--prefix-words", "120",
+                       "--turn-words", "20", "--max-tokens", "8", "--cut-fraction", "0.25", "--out", str(out),
+                       timeout=600)
+    assert out.exists(), proc.stdout + proc.stderr
+    level = json.loads(out.read_text())["levels"][0]
+    record("agent-bench", "default", **{k: level[k] for k in ("served", "cut", "failed", "server_cache_hit")})
+    assert proc.returncode == 0 and level["failed"] == 0 and level["served"] + level["cut"] == 12, level
+    assert level["prompt_tokens"] > 0 and level["server_cache_hit"] > 0, level  # the groups' shared prefixes
+    assert checks.settle(pd) == {}  # the cut streams' requests are gone on both sides

@@ -8,7 +8,8 @@ a CPU in seconds. What each answers:
 - the prefill: its bootstrap server's ``/route`` naming a ZMQ socket that counts each frame as a refusal, by the
   hardened thread's reason for a foreign tag; with ``DSV4_SM120_NIXL_HARDENING=0`` the first frame stops that
   thread for good (``/bootstrap_alive`` answers 503), as it stops upstream's;
-- the decode: chats (streamed a token every 20 ms, or whole), six index-K pages checked for each;
+- the decode, and a server of no PD mode: chats (streamed a token every 20 ms, or whole), six index-K pages checked
+  for each;
 - the router: chats passed to the decode while the prefill's thread lives; after that they stall, as the pin's do.
 """
 
@@ -27,12 +28,12 @@ import zmq
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--port", type=int, required=True)
-ap.add_argument("--disaggregation-mode", default="router")
+ap.add_argument("--disaggregation-mode", default=None)
 ap.add_argument("--disaggregation-bootstrap-port", type=int)
 ap.add_argument("--prefill", nargs=2)
 ap.add_argument("--decode")
 args, _ = ap.parse_known_args()
-role = args.disaggregation_mode
+role = args.disaggregation_mode or ("router" if args.prefill else "single")
 state = {"frames": 0, "alive": True, "pages": 0}
 lock = threading.Lock()
 
@@ -42,7 +43,7 @@ def metrics() -> str:
     if role == "prefill":
         lines += [f'sglang:dsv4_nixl_frames_rejected_total{{reason="unknown tag"}} {state["frames"]}',
                   f"sglang:dsv4_nixl_bootstrap_threads_alive {int(state['alive'])}"]
-    if role == "decode":
+    if role in ("decode", "single"):
         lines += [f"sglang:dsv4_index_k_pd_pages_checked_total {state['pages']}",
                   "sglang:dsv4_index_k_pd_mismatches_total 0"]
     return "\n".join(lines) + "\n"
@@ -149,4 +150,5 @@ if role == "prefill":
     threading.Thread(target=boot.serve_forever, daemon=True).start()
 
 ThreadingHTTPServer.daemon_threads = True
+ThreadingHTTPServer.request_queue_size = 256  # an 80-session agent connects at once
 ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()

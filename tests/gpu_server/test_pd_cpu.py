@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_server import pd, run
+from bench.gpu_server import agents, incident, pd, run
 from bench.gpu_server.servers import ServerSpec
 
 STANDIN = Path(__file__).resolve().parent / "pd_standin.py"
@@ -163,3 +163,54 @@ def test_the_servers_tokenizer_renders_a_storm_prompt_past_2048_tokens_in_dsv4s_
         for thinking in (False, True):
             ids = recipe.encode({"messages": messages, "thinking": thinking})
             assert 2048 < len(ids) < 4096 and max(ids) < cfg["vocab_size"]
+
+
+def test_run_incident_records_kills_multi_turn_and_leftovers_for_every_pair(standins, monkeypatch, tmp_path):
+    monkeypatch.setattr(incident, "KILLS", 2)
+    monkeypatch.setattr(incident, "KILL_AFTER_S", 0.5)
+    monkeypatch.setattr(incident, "MULTI_TURN_S", 2.0)
+    monkeypatch.setattr(incident, "SETTLE_S", 5.0)
+    monkeypatch.setattr(incident, "AGENT", ("--prefix-words", "20", "--turn-words", "5", "--max-tokens", "8"))
+    out = tmp_path / "incident.json"
+    assert run.main(["incident", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"]) == 0
+    record = json.loads(out.read_text())
+    pairs, servers = record["results"]["pairs"], record["servers"]
+    assert set(pairs) == {"_default", "_checksum", "_fixes_off"}
+    for tag, res in pairs.items():
+        assert "error" not in res, res
+        assert [k["round"] for k in res["kills"]] == [1, 2]
+        assert all(k["fresh"]["status"] == 200 and set(k["health"].values()) == {200} for k in res["kills"])
+        multi = res["multi_turn"]
+        assert multi["served"] > 0 and multi["failed"] == 0 and multi["concurrency"] == incident.MULTI_TURN_SESSIONS
+        assert res["leftovers"] == {} and res["dead_after"] == [] and res["fresh_after"]["status"] == 200
+    prefill, decode = servers["prefill"]["launch"], servers["decode"]["launch"]
+    assert "--enable-hierarchical-cache" in prefill and "--cuda-graph-backend-decode disabled" in prefill
+    assert "--cuda-graph-bs-decode 1 8 64 80" in decode and "--enable-hierarchical-cache" not in decode
+    assert "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT" not in prefill + decode  # sglang's default timeouts
+    assert "DSV4_SM120_INDEX_K_CHECKSUM=1" in servers["prefill_checksum"]["launch"]
+    assert "DSV4_SM120_INDEX_K_CHECKSUM" not in prefill
+    assert "DSV4_SM120_COLLECTIVE_GUARD=0" in servers["decode_fixes_off"]["launch"]
+
+
+def test_run_agents_visits_every_target_in_shuffled_abba_rounds_and_summarizes(standins, monkeypatch, tmp_path):
+    monkeypatch.setattr(agents, "AGENT", ("--sessions", "4", "--groups", "2", "--prefix-words", "10", "--turns", "1",
+                                          "--max-tokens", "4"))
+    monkeypatch.setattr(agents, "REPETITIONS", 2)
+    out = tmp_path / "agents.json"
+    assert run.main(["agents", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"]) == 0
+    res = json.loads(out.read_text())["results"]
+    targets = set(agents.SINGLES) | set(agents.PAIRS)
+    assert [o.split(":")[0] for o in res["order"]] == ["r0"] * 6 + ["r1"] * 12 + ["r2"] * 12
+    assert {o.split(":")[1] for o in res["order"] if o.startswith("r1")} == targets
+    r1 = [o for o in res["order"] if o.startswith("r1")]
+    assert r1[0].endswith(":C4") and r1[1].endswith(":C64")  # ascending in odd rounds
+    r2 = [o for o in res["order"] if o.startswith("r2")]
+    assert r2[0].endswith(":C64") and r2[1].endswith(":C4")
+    assert not [r for r in res["runs"] if "error" in r["level"] or r["level"]["failed"]], res["runs"][:2]
+    assert set(res["table"]) == targets and res["table"]["pd"]["64"]["output_tokens_per_s"]["n"] == 2
+    assert res["ratios"]["checksum_throughput"]["4"]["n"] == 2
+    servers = json.loads(out.read_text())["servers"]
+    assert "DSV4_SM120_INDEX_K_CHECKSUM=1" in servers["hc_bf16_checksum"]["launch"]
+    assert "--enable-hierarchical-cache" not in servers["hc_off"]["launch"]
+    assert "DSV4_SM120_INDEX_K_DTYPE=fp8" in servers["hc_fp8"]["launch"]
+    assert "DSV4_SM120_NIXL_HARDENING=0" in servers["decode_pd_fixes_off"]["launch"]

@@ -3,7 +3,7 @@
 Why they exist: every performance fix is judged at low and high concurrency, and the
 two production incidents this package fixes were found with agent workloads — killing
 an 80-session agent wedged a PD cluster, and at C >= 60 a share of tool calls came
-back as DeepSeek DSML markup in the assistant content. Users need the same three
+back as DeepSeek DSML markup in the assistant content. Users need the same four
 instruments against their own deployment, before and after switching each fix on:
 
 - :mod:`.serving` (``dsv4-sm120 bench-serving``): drives upstream's
@@ -11,6 +11,9 @@ instruments against their own deployment, before and after switching each fix on
   together with the launch flags and the ``DSV4_SM120_*`` switches in force.
 - :mod:`.abort_storm` (``dsv4-sm120 storm-client``): N streaming sessions cancelled
   at once, then the time until a fresh request completes, or "wedged".
+- :mod:`.agent_bench` (``dsv4-sm120 agent-bench``): multi-turn agent sessions on shared
+  prefixes that come back to histories others pushed out of the device pool (HiCache's case):
+  TTFT, ITL, throughput and the server's cache hits per concurrency.
 - :mod:`.toolcall_check` (``dsv4-sm120 toolcall-check``): multi-turn tool-using
   sessions per concurrency; each assistant turn classified by :mod:`.classify`.
 

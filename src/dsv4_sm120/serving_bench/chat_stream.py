@@ -36,6 +36,7 @@ class ChatReply:
     ttft_s: float | None = None
     latency_s: float | None = None
     chunks: int = 0
+    chunk_at: list[float] = field(default_factory=list)  # perf_counter of each streamed frame that carried output
 
     def as_message(self) -> dict:
         """The assistant message an agent appends to its history."""
@@ -132,6 +133,8 @@ async def chat(
                 reply.usage = data["usage"]
             for choice in data.get("choices") or []:
                 delta = choice.get("delta") or {}
+                if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
+                    reply.chunk_at.append(time.perf_counter())
                 reply.content += delta.get("content") or ""
                 reply.reasoning += delta.get("reasoning_content") or ""
                 _merge_tool_deltas(partial, delta.get("tool_calls") or [])

@@ -1,0 +1,169 @@
+"""The ``agents`` set: HiCache's gain and each fix's price on a multi-turn agent workload, at low and high concurrency.
+
+Why: HiCache with bf16 keys was fixed to win back prefix-cache speed, and every fix must be benchmarked at low and
+high concurrency; neither had been measured on a model whose GPU work dominates a step. Here ``flash12`` (Flash's
+attention and indexer dimensions) serves ``dsv4-sm120 agent-bench``'s workload: ``SESSIONS`` sessions in 8 groups
+sharing ~4k-token prefixes, each with its own ~4k-token history, one turn per session per level, so that each
+session comes back to a history the other sessions pushed out of a device pool of ``POOL`` tokens (the working
+set is several times that): on the host with HiCache, recomputed without.
+
+Servers, all with decode CUDA graphs and the same device pool, started at once, each driven alone in turn:
+``hc_off`` (no HiCache), ``hc_bf16`` (HiCache, bf16 keys, the package's default switches), ``hc_bf16_checksum``
+(the same with ``DSV4_SM120_INDEX_K_CHECKSUM=1``), ``hc_fp8`` (HiCache, fp8 keys); and two PD pairs over NIXL
+behind the router, a prefill with HiCache and a decode with graphs (the incident's configuration): the fixes on
+(defaults) and off (``DSV4_SM120_NIXL_HARDENING=0``, ``DSV4_SM120_COLLECTIVE_GUARD=0``).
+
+Order: each target first gets one untimed level (its first requests compile kernels for their shapes and fill
+the host pool); then ``REPETITIONS`` rounds, each visiting every target in a shuffled order (seeded by the round)
+and, on each, the levels ``CONCURRENCY`` in ascending order on even rounds and descending on odd ones. Per target
+and level: the median of the rounds and their min-max for TTFT p50/p90, ITL p50, output and total throughput and
+the server's cache hit share; then the ratios the bars are about, each as the median of the per-round ratios
+with their min-max.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from bench.gpu_server import pd
+from bench.gpu_server.servers import ServerSpec, launch_line, start, wait_healthy
+
+SESSIONS, POOL, REPETITIONS, CONCURRENCY = 64, 65536, 3, (4, 64)
+AGENT = ("--sessions", str(SESSIONS), "--groups", "8", "--prefix-words", "1000", "--start-words", "1000",
+         "--turn-words", "250", "--max-history-words", "100000", "--turns", "1", "--max-tokens", "32",
+         "--request-timeout", "300")
+LEVEL_TIMEOUT_S = 600.0
+FIGURES = ("ttft_p50_s", "ttft_p90_s", "itl_p50_s", "output_tokens_per_s", "total_tokens_per_s", "server_cache_hit")
+_HICACHE = ["--enable-hierarchical-cache", "--hicache-ratio", "8"]
+_EVERY = ["--swa-full-tokens-ratio", "0.5"]
+_SERVER = dict(mem_fraction=0.1, max_total_tokens=POOL, context_length=16384, max_running=64,
+               graph_batches=(1, 4, 8, 16, 32, 64), chunked_prefill=8192)
+SINGLES = {
+    "hc_off": ("bf16", [], {}),
+    "hc_bf16": ("bf16", _HICACHE, {}),
+    "hc_bf16_checksum": ("bf16", _HICACHE, {"DSV4_SM120_INDEX_K_CHECKSUM": "1"}),
+    "hc_fp8": ("fp8", _HICACHE, {}),
+}
+PAIRS = {"pd": {}, "pd_fixes_off": {"DSV4_SM120_NIXL_HARDENING": "0", "DSV4_SM120_COLLECTIVE_GUARD": "0"}}
+PAIR_SHAPE = {
+    "model": "flash12",
+    "env": {},
+    "prefill": ({**_SERVER, "graphs": False}, _HICACHE + _EVERY),
+    "decode": ({**_SERVER, "max_total_tokens": 4 * POOL}, _EVERY),
+}
+# (name, numerator, denominator, figure): what the bars hold, per level
+RATIOS = (("hicache_ttft_p50_gain_bf16", "hc_off", "hc_bf16", "ttft_p50_s"),
+          ("checksum_throughput", "hc_bf16_checksum", "hc_bf16", "output_tokens_per_s"),
+          ("bf16_vs_fp8_throughput", "hc_bf16", "hc_fp8", "output_tokens_per_s"),
+          ("pd_fixes_on_vs_off_throughput", "pd", "pd_fixes_off", "output_tokens_per_s"))
+
+
+def specs(tokenizer: Path) -> list[ServerSpec]:
+    return [ServerSpec(name, "flash12", "dsv4", index_k=keys, tokenizer=tokenizer, extra_args=_EVERY + args,
+                       extra_env=env, **_SERVER) for name, (keys, args, env) in SINGLES.items()]
+
+
+def agent(front: str, metrics_url: str, concurrency: int, out: Path) -> dict:
+    """One level of ``agent-bench`` against ``front``; its level record (or the error)."""
+    argv = [*pd.CLI, "agent-bench", "--base-url", front, "--model", "flash12", "--metrics-url", metrics_url,
+            "--concurrency", str(concurrency), *AGENT, "--device", "a GPU host: DeepSeek-V4 flash12 (dummy weights)",
+            "--out", str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=LEVEL_TIMEOUT_S)
+    if not out.exists():
+        return {"error": f"agent-bench wrote nothing (exit {proc.returncode}): {proc.stderr[-1500:]}"}
+    level = json.loads(out.read_text())["levels"][0]
+    return {k: v for k, v in level.items() if k != "server_counter_deltas"} | {
+        "load_back_tokens": level["server_counter_deltas"].get("sglang:load_back_tokens_total", 0.0)}
+
+
+def _spread(values: list[float]) -> dict:
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"median": None}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Per target and level, each figure's median over the rounds with its min-max; the bars' ratios per round."""
+    table: dict = {}
+    for r in runs:
+        if r["round"] > 0 and "error" not in r["level"]:
+            table.setdefault(r["target"], {}).setdefault(str(r["concurrency"]), []).append(r["level"])
+    out = {t: {c: {f: _spread([lv.get(f) for lv in levels]) for f in FIGURES} for c, levels in by_c.items()}
+           for t, by_c in table.items()}
+    ratios: dict = {}
+    for name, num, den, figure in RATIOS:
+        for c in CONCURRENCY:
+            per_round = []
+            for rnd in range(1, REPETITIONS + 1):
+                a = [r["level"].get(figure) for r in runs if (r["target"], r["concurrency"], r["round"]) == (num, c, rnd)
+                     and "error" not in r["level"]]
+                b = [r["level"].get(figure) for r in runs if (r["target"], r["concurrency"], r["round"]) == (den, c, rnd)
+                     and "error" not in r["level"]]
+                if a and b and a[0] and b[0]:
+                    per_round.append(a[0] / b[0])
+            ratios.setdefault(name, {})[str(c)] = _spread(per_round)
+    return {"table": out, "ratios": ratios}
+
+
+def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict, out: dict,
+        mem_fraction: float | None = None, ready=None) -> None:
+    """Start every target, warm each, visit them in the rounds' order, stop all."""
+    work = log_dir / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    out["patch"] = pd.patch_sglang()
+    tokenizer = pd.write_tokenizer(work / "tokenizer")
+    started, pairs = [], []
+    try:
+        for spec in specs(tokenizer):
+            if mem_fraction is not None:
+                spec.mem_fraction = mem_fraction
+            started.append(start(spec, models_root, log_dir))
+        for tag, switches in PAIRS.items():
+            pairs.append(pd.start_pair(f"_{tag}", switches, models_root, tokenizer, log_dir, mem_fraction, PAIR_SHAPE))
+        for s in started:
+            servers[s.spec.name] = {"launch": launch_line(s)}
+        for p in pairs:
+            servers.update(p.launches())
+        with ThreadPoolExecutor(len(pairs) + 1) as pool:
+            waits = [pool.submit(wait_healthy, started, startup_timeout)]
+            for p in pairs:
+                p.healthy = pool.submit(wait_healthy, p.started, startup_timeout)
+            waits[0].result()
+            for p in pairs:
+                pd.serve(p, log_dir)
+        for s in started:
+            servers[s.spec.name]["healthy_after_s"] = s.healthy_after_s
+        if ready is not None:
+            ready()
+        targets = {s.spec.name: (s.url, s.url) for s in started}
+        targets |= {tag: (p.cluster.front, p.cluster.prefill.url) for tag, p in zip(PAIRS, pairs)}
+        runs: list[dict] = []
+        out["order"] = []
+        for rnd in range(REPETITIONS + 1):  # round 0: the untimed warm-up level on each target
+            names = sorted(targets)
+            random.Random(rnd).shuffle(names)
+            levels = CONCURRENCY[-1:] if rnd == 0 else (CONCURRENCY if rnd % 2 else tuple(reversed(CONCURRENCY)))
+            for name in names:
+                for c in levels:
+                    t0 = time.monotonic()
+                    level = agent(*targets[name], c, work / f"agent_{name}_r{rnd}_c{c}.json")
+                    runs.append({"round": rnd, "target": name, "concurrency": c, "level": level,
+                                 "wall_s": round(time.monotonic() - t0, 1)})
+                    out["order"].append(f"r{rnd}:{name}:C{c}")
+        out["runs"] = runs
+        out.update(summarize(runs))
+        out["workload"] = {"agent_bench": list(AGENT), "concurrency": list(CONCURRENCY), "rounds": REPETITIONS,
+                           "device_pool_tokens": POOL}
+    finally:
+        for s in started:
+            s.proc.stop()
+        for p in pairs:
+            p.cluster.stop()
+            servers.update(p.launches())
