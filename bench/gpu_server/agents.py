@@ -43,7 +43,7 @@ FIGURES = ("ttft_p50_s", "ttft_p90_s", "itl_p50_s", "output_tokens_per_s", "tota
 _HICACHE = ["--enable-hierarchical-cache", "--hicache-ratio", "8"]
 _EVERY = ["--swa-full-tokens-ratio", "0.5"]
 _SERVER = dict(mem_fraction=0.1, max_total_tokens=POOL, context_length=16384, max_running=64,
-               graph_batches=(1, 4, 8, 16, 32, 64), chunked_prefill=8192)
+               graph_batches=(1, 4, 16, 64), chunked_prefill=8192)
 SINGLES = {
     "hc_off": ("bf16", [], {}),
     "hc_bf16": ("bf16", _HICACHE, {}),

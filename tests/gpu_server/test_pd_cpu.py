@@ -214,3 +214,25 @@ def test_run_agents_visits_every_target_in_shuffled_abba_rounds_and_summarizes(s
     assert "--enable-hierarchical-cache" not in servers["hc_off"]["launch"]
     assert "DSV4_SM120_INDEX_K_DTYPE=fp8" in servers["hc_fp8"]["launch"]
     assert "DSV4_SM120_NIXL_HARDENING=0" in servers["decode_pd_fixes_off"]["launch"]
+
+
+@pytest.mark.parametrize("setname", ["incident", "agents"])
+def test_the_sets_agent_turns_render_in_dsv4s_chat_encoding_within_the_servers_context(setname, tmp_path):
+    import argparse
+
+    from sglang.srt.parser.deepseek_recipe_renderer import DeepSeekRecipe
+    from transformers import AutoTokenizer
+
+    from dsv4_sm120.serving_bench import agent_bench
+
+    module = {"incident": incident, "agents": agents}[setname]
+    recipe = DeepSeekRecipe.from_hf_tokenizer("dsv4", AutoTokenizer.from_pretrained(str(pd.write_tokenizer(tmp_path))))
+    parser = argparse.ArgumentParser()
+    agent_bench.add_arguments(parser)
+    args = parser.parse_args(["--base-url", "http://127.0.0.1:1", "--model", "m", *module.AGENT])
+    session, lengths = agent_bench.sessions(args)[0], []
+    for _ in range(args.turns if setname == "agents" else 12):  # the incident's agents run until killed
+        payload = agent_bench._payload(args, session)
+        lengths.append(len(recipe.encode({"messages": payload["messages"], "tools": payload["tools"], "thinking": False})))
+        session.advance(args.turn_words, args.max_history_words, args.seed)
+    assert 4096 < lengths[0] and max(lengths) < module.PAIR_SHAPE["prefill"][0]["context_length"], lengths
