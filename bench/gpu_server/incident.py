@@ -12,7 +12,8 @@ shared GPU): the defaults; ``DSV4_SM120_INDEX_K_CHECKSUM=1`` on both sides; the 
 Traffic per pair, through its router, by ``dsv4-sm120 agent-bench`` (tool-call-shaped multi-turn sessions on
 shared prefixes of ~4k tokens):
 
-- ``KILLS`` rounds: 80 agent sessions at once, the agent process killed (SIGKILL) ``KILL_AFTER_S`` in; at the kill,
+- ``KILLS`` rounds: 80 agent sessions at once, the agent process killed (SIGKILL) ``KILL_AFTER_S`` after the servers
+  first hold its requests; at the kill,
   what the servers hold (decode running, prefill queues); then a fresh chat (its status and time) and ``/health``
   of the three processes.
 - the multi-turn phase: 64 sessions for at most ``MULTI_TURN_S``, a fifth of the turns cut at their first chunk;
@@ -36,6 +37,9 @@ from bench.gpu_server.servers import wait_healthy
 checks, cluster, scrape = pd.checks, pd.cluster, pd.e2e("scrape")
 
 KILLS, KILL_AFTER_S, FRESH_TIMEOUT_S = 5, 8.0, 180.0
+# On an H200 the first round's agent had sent nothing 8 s after its start (the servers held nothing at the kill):
+# the kill comes KILL_AFTER_S after the servers first hold its requests (or FIRST_REQUESTS_S after its start).
+FIRST_REQUESTS_S = 30.0
 MULTI_TURN_SESSIONS, MULTI_TURN_S = 64, 150.0
 SETTLE_S = 120.0
 PREFILL_POOL = 32768
@@ -96,6 +100,9 @@ def kill_round(pair: pd.Pair, work: Path, k: int) -> dict:
     agent = subprocess.Popen(_agent(pair, out, 80, ("--turns", "50")), stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
     try:
+        started_by = time.monotonic() + FIRST_REQUESTS_S  # the agent's start is not counted in the time to its kill
+        while time.monotonic() < started_by and not any(held(pair).values()) and agent.poll() is None:
+            time.sleep(0.5)
         time.sleep(KILL_AFTER_S)
         at_kill = held(pair)
     finally:

@@ -379,6 +379,13 @@ MANIFEST: tuple[Touch, ...] = (
         "commits that forward's output.",
     ),
     Touch(
+        "sglang.srt.managers.schedule_batch.ScheduleBatch.copy",
+        "around",
+        "hicache",
+        "The copy the overlap scheduler keeps for result processing carries the batch's HiCache load slot, by "
+        "which integrity mode collects that forward's verdicts.",
+    ),
+    Touch(
         "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill",
         "around",
         "hicache",

@@ -168,6 +168,7 @@ def test_the_servers_tokenizer_renders_a_storm_prompt_past_2048_tokens_in_dsv4s_
 def test_run_incident_records_kills_multi_turn_and_leftovers_for_every_pair(standins, monkeypatch, tmp_path):
     monkeypatch.setattr(incident, "KILLS", 2)
     monkeypatch.setattr(incident, "KILL_AFTER_S", 0.5)
+    monkeypatch.setattr(incident, "FIRST_REQUESTS_S", 1.0)  # the stand-ins' gauges stay 0
     monkeypatch.setattr(incident, "MULTI_TURN_S", 2.0)
     monkeypatch.setattr(incident, "SETTLE_S", 5.0)
     monkeypatch.setattr(incident, "AGENT", ("--prefix-words", "20", "--turn-words", "5", "--max-tokens", "8"))

@@ -96,6 +96,7 @@ def _result(result, slot, prefixes: dict[str, list[int]], tree_cache=None):
 
     batch = _batch(result, prefixes)
     batch.hicache_consumer_index = slot
+    batch = batch.copy()  # what upstream's overlap loop (sglang's default on a GPU) hands to result processing
     processor = SimpleNamespace(tree_cache=tree_cache)
     upstream = []  # Replaced: upstream's body, which commits the batch's outputs (see the module docstring)
     request_fail.process_prefill_result(lambda *a, **k: upstream.append(a), processor, batch,

@@ -4,7 +4,8 @@ The pool builder, planner and PD handshake hooks are registered unconditionally 
 decide when called, from ``--model-impl`` and ``DSV4_SM120_INDEX_K_DTYPE``, whether
 to act; with any other model impl or with ``fp8`` they call upstream unchanged. The
 three request-failure hooks (admission, and the plain and PD prefill result) act
-only once an integrity-mode host mirror exists in the process. Hook bodies
+only once an integrity-mode host mirror exists in the process; the fourth keeps the
+batch's load slot on the copy the overlap scheduler hands to result processing. Hook bodies
 import upstream lazily: registering costs nothing. The five PD integrity hooks
 (:mod:`.pd_integrity`) are registered only when ``DSV4_SM120_INDEX_K_CHECKSUM=1``.
 """
@@ -25,6 +26,7 @@ def register(cfg: Settings) -> None:
     hook(request_fail.TARGET, request_fail.get_new_batch_prefill)
     for target in request_fail.RESULT_TARGETS:
         hook(target, request_fail.process_prefill_result)
+    hook(request_fail.COPY_TARGET, request_fail.keep_load_slot)
     if cfg.index_k_checksum:
         # The PD send/receive check: with the switch off nothing is hooked (no extra frame).
         pd_integrity.register_hooks()

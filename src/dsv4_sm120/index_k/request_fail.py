@@ -34,6 +34,8 @@ RESULT_TARGETS = (  # upstream's processing of a prefill batch's result: plain, 
     ".process_batch_result_prefill",
     "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill",
 )
+# The copy of a batch that upstream's overlap loop keeps for its result processing
+COPY_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.copy"
 COMPRESS_RATIO = 4  # C4: one compressed index slot per 4 tokens
 TOKENS_PER_INDEX_PAGE = layout.SLOTS_PER_PAGE * COMPRESS_RATIO  # 256: one tree page
 
@@ -139,6 +141,19 @@ def get_new_batch_prefill(original, scheduler, *args, **kwargs):
             # Upstream's path for a chunked request whose KV load failed: stop its next chunk.
             scheduler._pending_chunked_abort_req = req
     return plan
+
+
+def keep_load_slot(original, batch, *args, **kwargs):
+    """AROUND hook: the copy of a batch kept for its result processing carries the batch's HiCache load slot.
+
+    Why: ``ScheduleBatch.copy`` keeps only the fields upstream's result processing reads, and the load slot
+    is not one of them; under the overlap scheduler (sglang's default on a GPU) every batch reaches
+    :func:`process_prefill_result` as such a copy, so without this the verdicts of every forward stayed
+    uncollected (an H200 run counted no check at all).
+    """
+    copied = original(batch, *args, **kwargs)
+    copied.hicache_consumer_index = batch.hicache_consumer_index
+    return copied
 
 
 def process_prefill_result(original, processor, batch, result, *args, **kwargs):

@@ -14,8 +14,9 @@ cached prefix), one batch of concurrent mid-size prompts and one full batch of s
 largest running batch). Each request decodes a few tokens, so decode at that context runs too.
 
 The warmups run inside the window in which sglang's launcher waits for the HTTP app to answer (about 120 s;
-past it the launcher kills the server), so the warmup stops starting groups after ``BUDGET_S``, gives each
-group ``GROUP_TIMEOUT_S``, and says which shapes it left cold. The longest prompt is bounded by half the KV
+past it the launcher kills the server), so the whole warmup has ``BUDGET_S``: each group may take what is left of
+it (on a cold JIT cache the first group compiles kernels: on an H200 it took over 30 s, so a fixed 30 s per group
+left every shape cold), and a group that does not finish in it stops the warmup, naming the shapes left cold. The longest prompt is bounded by half the KV
 pool the scheduler reported as well as by the context: on an H200 a HiCache server with a 16384-token pool and
 context never scheduled a 16,377-token warmup prompt and never turned healthy. A PD server does not run it:
 its requests wait for a decode peer a warmup does not have (a PD prefill served 1 of 22 in 126 s); warm the
@@ -38,7 +39,6 @@ MIN_LONGEST = 16384  # the longest prompt is at least this (within the context),
 CHUNKS = 4
 MAX_BATCH = 64
 BUDGET_S = 80.0
-GROUP_TIMEOUT_S = 30.0
 
 
 def plan(context_len: int, chunk: int | None, max_running: int | None, reserved: int = 0,
@@ -92,11 +92,12 @@ async def dsv4_shapes(disaggregation_mode: str, tokenizer_manager) -> None:
             logger.warning("dsv4-sm120: warmup %s stopped after %.0f s; left cold: %s", NAME, time.monotonic() - t0,
                            _shapes(groups[i:]))
             break
+        left = BUDGET_S - (time.monotonic() - t0)
         try:
-            await asyncio.wait_for(asyncio.gather(*(one(tokens) for _ in range(count))), GROUP_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.gather(*(one(tokens) for _ in range(count))), left)
         except asyncio.TimeoutError:  # a group the server does not finish: the ones after it would queue behind it
-            logger.warning("dsv4-sm120: warmup %s: %dx%d tokens not served within %.0f s; stopped, left cold: %s",
-                           NAME, count, tokens, GROUP_TIMEOUT_S, _shapes(groups[i:]))
+            logger.warning("dsv4-sm120: warmup %s: %dx%d tokens not served in the %.0f s left of its budget; "
+                           "stopped, left cold: %s", NAME, count, tokens, left, _shapes(groups[i:]))
             break
         except Exception as exc:  # a shape the server refuses stays cold; the server still starts
             logger.warning("dsv4-sm120: warmup %s: %dx%d tokens refused (%s: %s); that shape stays cold", NAME,
