@@ -15,7 +15,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
-    "wrapper, prog", [("bench_serving", "bench-serving"), ("storm_client", "storm-client"), ("toolcall_check", "toolcall-check")]
+    "wrapper, prog",
+    [("bench_serving", "bench-serving"), ("storm_client", "storm-client"), ("toolcall_check", "toolcall-check"),
+     ("agent_bench", "agent-bench")],
 )
 def test_checkout_wrappers_run(wrapper, prog):
     proc = subprocess.run(
