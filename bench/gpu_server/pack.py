@@ -23,6 +23,7 @@ import hashlib
 import json
 import lzma
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -213,6 +214,30 @@ def select(venv: Path, archs: tuple[int, ...], cache: Path, triton: bool, tilela
     return selection, "cp" + python.replace(".", "")
 
 
+def wheel_builder_problem() -> str | None:
+    """Why this python cannot build the project's wheel offline, or None. ``pip wheel --no-build-isolation``
+    uses this python's own setuptools, which builds wheels itself only from 70.1 (before it, the ``wheel``
+    package must be installed: without either pip fails deep inside with "invalid command 'bdist_wheel'")."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("setuptools")
+    except metadata.PackageNotFoundError:
+        version = None
+    try:
+        metadata.version("wheel")
+        return None
+    except metadata.PackageNotFoundError:
+        pass
+    parts = tuple(int(x) for x in re.findall(r"\d+", version or "0")[:2])
+    if version is not None and parts >= (70, 1):
+        return None
+    return (f"pack builds the project's wheel offline with this python's setuptools ({sys.executable}: setuptools "
+            f"{version or 'not installed'}, no 'wheel' package); it needs setuptools >= 70.1 or the 'wheel' package. "
+            f"Run pack with the project's environment (python3 -m venv .venv && .venv/bin/pip install -e '.[test]', "
+            f"then .venv/bin/python -m bench.gpu_server pack ...), or: {sys.executable} -m pip install 'setuptools>=70.1'")
+
+
 def build_project_wheel(out: Path) -> Path:
     """The project's wheel, built offline from a copy of what a source distribution holds (not the checkout).
 
@@ -220,6 +245,9 @@ def build_project_wheel(out: Path) -> Path:
     the same source packs to the same bytes, so an unchanged project keeps the bundle id and the chunks a
     GPU host has staged.
     """
+    problem = wheel_builder_problem()
+    if problem:
+        raise SystemExit(problem)
     src = out / "source"
     shutil.copytree(REPO / "src", src / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     for name in ("pyproject.toml", "README.md"):

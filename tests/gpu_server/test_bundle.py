@@ -301,3 +301,23 @@ def test_jit_cache_save_splits_within_the_size_and_load_puts_every_file_back(tmp
     for i in range(3):
         rel = f"triton/k{i}/kernel.cubin"
         assert (fresh / rel).read_bytes() == (root / rel).read_bytes()
+
+
+@pytest.mark.parametrize("setuptools, wheel, refused", [("65.5.0", False, True), ("70.1.0", False, False),
+                                                         ("65.5.0", True, False), (None, False, True)])
+def test_a_python_that_cannot_build_the_wheel_is_told_which_and_what_it_needs(monkeypatch, setuptools, wheel, refused):
+    from importlib import metadata
+
+    def version(name):
+        found = {"setuptools": setuptools, "wheel": "0.45.0" if wheel else None}.get(name)
+        if found is None:
+            raise metadata.PackageNotFoundError(name)
+        return found
+
+    monkeypatch.setattr(metadata, "version", version)
+    problem = pack.wheel_builder_problem()
+    assert (problem is not None) == refused
+    if refused:
+        assert sys.executable in problem and "setuptools >= 70.1" in problem and ".venv/bin/python -m bench" in problem
+        with pytest.raises(SystemExit, match="setuptools >= 70.1"):
+            pack.build_project_wheel(Path("/nonexistent"))
