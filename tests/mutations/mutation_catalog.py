@@ -139,7 +139,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       ("tests/index_k/test_pd.py::test_mismatch_is_refused_with_both_layouts_and_the_switch",)),
     M("hicache-strategy-never-matches", "audit: HiCache round trips depend on the package's bf16 stack strategy",
       (E(INDEX_K + "hicache.py",
-         "return isinstance(pools.get(4), BF16IndexKPool) and super().matches(kvcache, components)",
+         'return getattr(pools.get(4), "index_k_dtype", None) == "bf16" and super().matches(kvcache, components)',
          "return False"),),
       (ROUND_TRIP + "[random-1-layer_first-kernel]", ROUND_TRIP + "[random-1-page_first-kernel]")),
     M("hicache-sub-page-allowed", "fix 1: the bf16 mirror refuses sub-page copies (fp8-row kernel)",

@@ -41,14 +41,14 @@ def _strategy_class():
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _DeepSeekV4Strategy
 
-    from dsv4_sm120.index_k.pool import BF16IndexKPool
-
     class BF16IndexKStackStrategy(_DeepSeekV4Strategy):
         """Upstream's DSV4 HiCache stack; its bf16 index-K mirror page-aligned only (and checksummed)."""
 
         def matches(self, kvcache, components):
+            # BF16IndexKPool's class attribute (upstream's pools have none): read, not imported, since the
+            # pool module registers this strategy and the two would import each other.
             pools = getattr(kvcache, "index_pools", None) or {}
-            return isinstance(pools.get(4), BF16IndexKPool) and super().matches(kvcache, components)
+            return getattr(pools.get(4), "index_k_dtype", None) == "bf16" and super().matches(kvcache, components)
 
         def build(self, **kwargs):
             result = super().build(**kwargs)
