@@ -115,10 +115,7 @@ def summarize(runs: list[dict]) -> dict:
 def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict, out: dict,
         mem_fraction: float | None = None, ready=None) -> None:
     """Start every target, warm each, visit them in the rounds' order, stop all."""
-    work = log_dir / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    out["patch"] = pd.patch_sglang()
-    tokenizer = pd.write_tokenizer(work / "tokenizer")
+    work, tokenizer = pd.prepare(log_dir, out)
     started, pairs = [], []
     try:
         for spec in specs(tokenizer):

@@ -146,10 +146,7 @@ def run_pair(pair: pd.Pair, log_dir: Path, work: Path, res: dict) -> None:
 def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict, out: dict,
         mem_fraction: float | None = None, ready=None) -> None:
     """Start the three pairs, run each one's traffic at once, stop all; ``servers`` gets every launch line."""
-    work = log_dir / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    out["patch"] = pd.patch_sglang()
-    tokenizer = pd.write_tokenizer(work / "tokenizer")
+    work, tokenizer = pd.prepare(log_dir, out)
     out["shared_gpu"] = f"{len(PAIRS)} pairs at once on one GPU"
     pairs: list[pd.Pair] = []
     try:

@@ -241,14 +241,20 @@ def patch_sglang() -> dict:
     return done
 
 
+def prepare(log_dir: Path, out: dict) -> tuple[Path, Path]:
+    """What every set of PD pairs does first: its work folder, ``patch apply`` (recorded in ``out["patch"]``)
+    and the servers' tokenizer; returns (work folder, tokenizer)."""
+    work = log_dir / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    out["patch"] = patch_sglang()
+    return work, write_tokenizer(work / "tokenizer")
+
+
 def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict, out: dict,
         mem_fraction: float | None = None, ready=None) -> None:
     """Start both pairs, serve the first, run the scenarios in order (``out`` filled as each ends), stop all;
     ``servers`` gets every launch line. A first pair that does not serve ends the run with its error."""
-    work = log_dir / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    out["patch"] = patch_sglang()
-    tokenizer = write_tokenizer(work / "tokenizer")
+    work, tokenizer = prepare(log_dir, out)
     pairs: list[Pair] = []
     waiting = ThreadPoolExecutor(2)
     try:
