@@ -29,8 +29,9 @@ nothing; TMA key pages are slower (1.07-1.20). TileLang's own time moved by up t
 Triton read of the keys and queries at 1.01-1.02 of TileLang at 512 pages; half pages and one program a
 multiprocessor were no better; ``asmstore`` gains 0.5-1% on decode and 6-9% on target-verify
 (..._asmstore_0704fc0.json, ..._probes_04335b1.json); streaming stores and evict-first loads nothing.
-Under the pin's Triton 3.8 (bench/triton38_device.sh; ..._tiny_triton38_eeb4066.json) ``short_w8`` is the
-fastest on all six tiny pairs (0.96-1.12 of TileLang, the package kernel 1.09-1.19), but on every shape
+Under the pin's Triton 3.8 (bench/triton38_device.sh at commit 6f9738b, removed since;
+..._tiny_triton38_eeb4066.json) ``short_w8`` is the fastest on all six tiny pairs (0.96-1.12 of TileLang, the
+package kernel 1.09-1.19), but on every shape
 (..._decode_triton38_f26718a.json, _b2626c2, _6f2b6f0) it is 8-12% slower than the package at 1 x 128k and
 2-8% from 8 x 32k on, and the host cannot tell a 4k row from a 128k row at the capture width: not adopted.
 The same runs put the package's inline stores 1-5% behind tl.store on decode of 1 and 8 rows (3-9% ahead on

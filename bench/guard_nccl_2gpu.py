@@ -12,8 +12,8 @@ sglang). NVLink multicast is off in every rank (NCCL_NVLS_ENABLE=0, TORCH_SYMM_M
 NVSHMEM_DISABLE_NVLS=1) and in this process.
 
 (a) guard off (``DSV4_SM120_COLLECTIVE_GUARD=0``: the patched loops run upstream's code) and (b) guard
-on, over every injection point of ``bench/guard_injection_points.py`` (``pd_loop_harness.POINTS``:
-one divergence on rank 1 in an ``at_point`` scenario): per scenario whether it reconciled, hung
+on, over every injection point of ``bench/guard_injection_points.py`` at commit 6022e83 (removed since;
+``pd_loop_harness.POINTS``: one divergence on rank 1 in an ``at_point`` scenario): per scenario whether it reconciled, hung
 (located: per rank the collective and group it sat in, its main-thread stack, NCCL's flight
 recorder entries not completed, NCCL's own timeout lines), was ended by the watchdog, or
 desynchronised silently (the ranks' forward collectives paired across different batches). Guard-off
@@ -36,7 +36,8 @@ Here (CPU; the JSON committed as the gloo stand-in):
 
 On a host with two GPUs (two H200s of one host were the target) whose image has torch 2.11 / python 3.12,
 no sglang, pyzmq or flashinfer, and no network. On a networked machine, at the commit to run:
-  1. ``bash bench/topk_poison_h200.sh pack`` (the top-k poison run's packer) -> ``.devcarry/topk/pin_site.tar.xz``
+  1. ``bash bench/topk_poison_h200.sh pack`` (the top-k poison run's packer, at commit b8292e6 and removed
+     since: first ``git checkout b8292e6 -- bench/topk_poison_h200.sh``) -> ``.devcarry/topk/pin_site.tar.xz``
      (sglang 0.5.23 trimmed to its python and data files, flashinfer 0.7.2, tvm_ffi built for the
      H200 image) and ``.devcarry/topk/wheels/`` (cp312 wheels of the import chain's pure and small
      packages the image lacks, pyzmq among them);

@@ -11,7 +11,10 @@ each is called). It writes bench/results/kernels/indexer_h200_<date>.json (or $O
 columns are None and the JSON says why.
 
     PYTHONPATH=src COMMIT=$(git rev-parse HEAD) python bench/indexer_h200.py --tilelang PATH/tilelang_kernel.py \
-        [--deepgemm DEST]   # DEST from bench/build_deepgemm_device.sh build; --deepgemm-warm first compiles its kernels
+        [--deepgemm DEST]   # --deepgemm-warm first compiles its kernels
+
+DEST is a DeepGEMM build as ``bench/build_deepgemm_device.sh build`` made it (that script is at commit 6f9738b,
+removed since; git history keeps it).
 
 ``PATH/tilelang_kernel.py`` is ``sglang/kernels/ops/attention/dsa/tilelang_kernel.py`` from the
 sglang==0.5.23 wheel, run unmodified. The H200 image has no sglang, so the two sglang helpers that file
@@ -145,9 +148,9 @@ def fp8_query(q, w):
 
 # ----------------------------------------------------------------------------- upstream's sm_90 default
 def load_deepgemm(build: str | None):
-    """DeepGEMM as built by bench/build_deepgemm_device.sh (``build`` holds deep_gemm/), or (None, why not)."""
+    """DeepGEMM as built by bench/build_deepgemm_device.sh at commit 6f9738b (``build`` holds deep_gemm/), or (None, why not)."""
     if not build:
-        return None, "no --deepgemm build given (bench/build_deepgemm_device.sh builds one on the GPU host)"
+        return None, "no --deepgemm build given (bench/build_deepgemm_device.sh at commit 6f9738b built one on the GPU host)"
     sys.path.insert(0, str(Path(build).resolve()))
     try:
         import deep_gemm
@@ -1068,7 +1071,8 @@ def main():
     ap.add_argument("--dry-cpu", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): checks the script")
     ap.add_argument("--eager-only", action="store_true",
                     help="only the eager-vs-graph host-cost table of decode logits (its own JSON, under a minute)")
-    ap.add_argument("--deepgemm", help="a DeepGEMM build from bench/build_deepgemm_device.sh (the folder holding deep_gemm/)")
+    ap.add_argument("--deepgemm",
+                    help="a DeepGEMM build (the folder holding deep_gemm/), as bench/build_deepgemm_device.sh at commit 6f9738b made it")
     ap.add_argument("--deepgemm-warm", action="store_true", help="only JIT-compile DeepGEMM's kernel variants, in parallel")
     ap.add_argument("--deepgemm-warm-one", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -22,7 +22,8 @@ What runs where:
   nvcc at first use; v2 with upstream's ``plan_topk_v2`` plan) and flashinfer's unfused ``top_k`` and
   fused ``top_k_page_table_transform`` (``SGLANG_DSA_FUSE_TOPK``). All 16 (4 backends x 2 poisons, and
   the controls) passed on an H200 host (sm_90, torch 2.11, python 3.12, no network):
-  ``bench/results/kernels/topk_poison_h200_2026-12-01.txt``, run by ``bench/topk_poison_h200.sh``. That image
+  ``bench/results/kernels/topk_poison_h200_2026-12-01.txt``, run by ``bench/topk_poison_h200.sh`` (at commit
+  b8292e6, removed since; git history keeps it). That image
   has no sglang or flashinfer, so the script carries the pinned sglang 0.5.23 and flashinfer-python
   0.7.2 there, trimmed to the import chain and the kernel sources; sglang's modules compile there, while
   flashinfer's top-k module (tens of CPU-minutes of nvcc) is built ahead of time on the CPU host by

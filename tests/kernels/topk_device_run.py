@@ -1,6 +1,7 @@
 """The device run of the top-k poison tests: a header (device, versions, each JIT compile's time), then pytest.
 
-Run by ``bench/topk_poison_h200.sh device`` on a fresh machine with empty JIT caches, so each time below
+Run by ``bench/topk_poison_h200.sh device`` (at commit b8292e6, removed since; git history keeps it) on a
+fresh machine with empty JIT caches, so each time below
 is a cold compile of one of sglang's top-k modules (nvcc through sglang's own ninja build), then the
 ``gpu`` tests of ``test_topk_poison.py`` in this same process (one import of the chain, not two; the
 tests reuse the loaded modules). v1 builds beside the occupancy probe and v2 (which needs the probe's
