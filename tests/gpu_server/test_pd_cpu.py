@@ -150,7 +150,7 @@ def test_the_servers_tokenizer_renders_a_storm_prompt_past_2048_tokens_in_dsv4s_
     from transformers import AutoTokenizer
 
     from bench.gpu_server import models
-    from dsv4_sm120.serving_bench import abort_storm
+    from dsv4_sm120.serving_bench import storm_client
 
     tok = AutoTokenizer.from_pretrained(str(pd.write_tokenizer(tmp_path / "tok")))
     cfg = models.config("tiny")
@@ -158,7 +158,7 @@ def test_the_servers_tokenizer_renders_a_storm_prompt_past_2048_tokens_in_dsv4s_
     assert pd.DSV4_IMAGE_TOKEN == IMAGE_TOKEN
     recipe = DeepSeekRecipe.from_hf_tokenizer("dsv4", tok)  # what sglang builds at startup for a DeepseekV4 model
     storm_args = argparse.Namespace(prompt_words=pd.PROMPT_WORDS, model="tiny", storm_max_tokens=8, ignore_eos=True)
-    for messages in (abort_storm._storm_payload(storm_args, 0, 1)["messages"],
+    for messages in (storm_client._storm_payload(storm_args, 0, 1)["messages"],
                      [{"role": "user", "content": pd.long_text(0)}]):
         for thinking in (False, True):
             ids = recipe.encode({"messages": messages, "thinking": thinking})

@@ -9,7 +9,7 @@ instruments against their own deployment, before and after switching each fix on
 - :mod:`.serving` (``dsv4-sm120 bench-serving``): drives upstream's
   ``python -m sglang.benchmark.serving`` once per concurrency and keeps its JSON
   together with the launch flags and the ``DSV4_SM120_*`` switches in force.
-- :mod:`.abort_storm` (``dsv4-sm120 storm-client``): N streaming sessions cancelled
+- :mod:`.storm_client` (``dsv4-sm120 storm-client``): N streaming sessions cancelled
   at once, then the time until a fresh request completes, or "wedged".
 - :mod:`.agent_bench` (``dsv4-sm120 agent-bench``): multi-turn agent sessions on shared
   prefixes that come back to histories others pushed out of the device pool (HiCache's case):
