@@ -58,6 +58,11 @@ SPECS: dict[str, tuple] = {
     "index_k_pd_mismatches_total": ("counter", "bf16 index-K pages that arrived over NIXL different from what was sent", ()),
     "index_k_pd_rooms_failed_total": ("counter", "PD rooms failed because an index-K page arrived corrupt", ()),
     "index_k_pd_rooms_unchecked_total": ("counter", "PD rooms received without a checksum frame (peer without the switch)", ()),
+    # collective guard (labelled with the overlap loop it watches)
+    "guard_divergences_seen_total": ("counter", "Overlap-loop iterations whose TP ranks disagreed on queues or batch state", ("loop",)),
+    "guard_divergences_reconciled_total": ("counter", "Divergences the guard reconciled by aborting requests not held by every rank", ("loop",)),
+    "guard_requests_aborted_total": ("counter", "Requests aborted by the guard because not every TP rank held them", ("loop",)),
+    "guard_fail_fasts_total": ("counter", "Times the guard stopped the scheduler because reconciliation failed", ("loop",)),
 }
 
 _lock = threading.Lock()
@@ -68,17 +73,8 @@ _sampler_thread: threading.Thread | None = None
 
 
 def exposed_names() -> set[str]:
-    """Every sample name the package's collectors can put on /metrics (counters carry ``_total``).
-
-    The guard's counters predate this module and name themselves ``sglang:dsv4_guard_<field>_total``
-    after the fields of :class:`dsv4_sm120.guard.counters.Counters`.
-    """
-    import dataclasses
-
-    from dsv4_sm120.guard.counters import Counters
-
-    guard = {f"sglang:dsv4_guard_{f.name}_total" for f in dataclasses.fields(Counters) if not f.name.startswith("_")}
-    return {f"sglang:dsv4_{name}" for name in SPECS} | guard
+    """Every sample name the package's collectors can put on /metrics (counters carry ``_total``)."""
+    return {f"sglang:dsv4_{name}" for name in SPECS}
 
 
 def enable(tp_rank: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 import time
 import types
@@ -83,17 +84,21 @@ def test_no_warning_when_patched_or_not_pd(monkeypatch, caplog):
 
 
 def test_counters_reach_prometheus_when_upstream_metrics_are_on():
-    from prometheus_client import REGISTRY
-
-    from dsv4_sm120.guard.counters import Counters
-
-    c = Counters()
-    c.enable_metrics("decode")
-    c.add("divergences_seen")
-    c.add("requests_aborted", 3)
-    assert REGISTRY.get_sample_value("sglang:dsv4_guard_divergences_seen_total", {"loop": "decode"}) == 1
-    assert REGISTRY.get_sample_value("sglang:dsv4_guard_requests_aborted_total", {"loop": "decode"}) == 3
-    assert c.line() == "seen=1 reconciled=0 aborted=3 fail_fasts=0"
+    # In a process of its own: metrics.enable creates the collectors once per process (as in a scheduler).
+    probe = (
+        "from prometheus_client import REGISTRY\n"
+        "from dsv4_sm120 import metrics\n"
+        "from dsv4_sm120.guard.counters import Counters\n"
+        "c = Counters(loop='decode')\n"
+        "c.add('divergences_seen')\n"  # before enable: counted here, a no-op on /metrics
+        "metrics.enable(0)\n"
+        "c.add('divergences_seen')\n"
+        "c.add('requests_aborted', 3)\n"
+        "get = lambda n: REGISTRY.get_sample_value(f'sglang:dsv4_guard_{n}_total', {'tp_rank': '0', 'loop': 'decode'})\n"
+        "print(get('divergences_seen'), get('requests_aborted'), c.line())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "1.0 3.0 seen=2 reconciled=0 aborted=3 fail_fasts=0", out.stderr[-2000:]
 
 
 def _prefill_stand_in(n: int) -> SimpleNamespace:

@@ -1,13 +1,15 @@
-"""Counters of the collective guard: in the log line of every event, and in sglang's metrics.
+"""Counters of the collective guard: in the log line of every event, and on sglang's ``/metrics``.
 
-Upstream's scheduler metrics are Prometheus collectors (multiprocess mode, the
-``sglang:`` prefix) created only when ``--enable-metrics`` is on; the guard adds
-its own three counters beside them under the same condition.
+The values are kept here for the log lines; each addition also goes to its ``sglang:dsv4_guard_<name>_total``
+counter through :func:`dsv4_sm120.metrics.inc` (declared in ``metrics.SPECS`` like every other), labelled with
+the overlap loop the guard watches; without ``--enable-metrics`` that is a no-op.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from dsv4_sm120 import metrics
 
 
 @dataclass
@@ -16,26 +18,11 @@ class Counters:
     divergences_reconciled: int = 0
     requests_aborted: int = 0
     fail_fasts: int = 0
-    _prom: dict = field(default_factory=dict, repr=False)
-
-    def enable_metrics(self, loop: str) -> None:
-        """Create the Prometheus counters (call once, only when upstream's metrics are on)."""
-        from prometheus_client import Counter
-
-        doc = {
-            "divergences_seen": "Overlap-loop iterations whose TP ranks disagreed on queues or batch state",
-            "divergences_reconciled": "Divergences the guard reconciled by aborting requests not held by every rank",
-            "requests_aborted": "Requests aborted by the guard because not every TP rank held them",
-            "fail_fasts": "Times the guard stopped the scheduler because reconciliation failed",
-        }
-        for name, text in doc.items():
-            self._prom[name] = Counter(f"sglang:dsv4_guard_{name}_total", text, ["loop"]).labels(loop=loop)
+    loop: str = ""  # the ``loop`` label: the overlap loop of this process's scheduler, once the guard runs
 
     def add(self, name: str, n: int = 1) -> None:
         setattr(self, name, getattr(self, name) + n)
-        prom = self._prom.get(name)
-        if prom is not None:
-            prom.inc(n)
+        metrics.inc(f"guard_{name}_total", n, loop=self.loop)
 
     def line(self) -> str:
         return (

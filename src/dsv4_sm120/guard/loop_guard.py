@@ -66,9 +66,7 @@ class _State:
         self.rank = tp_rank_of(scheduler)
         self.loop = loop
         self.digests = snapshot.Digests()  # queue digests, recomputed only when a queue changed
-        reporter = getattr(scheduler, "metrics_reporter", None)
-        if self.enabled and getattr(reporter, "enable_metrics", False) and not counters._prom:
-            counters.enable_metrics(loop)
+        counters.loop = loop
 
 
 def active(scheduler) -> _State | None:
