@@ -2,7 +2,7 @@
 
 Run from the repository root as ``python -m bench.serving.agent_bench --base-url ... --model ...``
 or ``python bench/serving/agent_bench.py ...``. The code lives in
-``dsv4_sm120.serving_bench.agent_bench`` so an installed package has it too.
+``dsv4_sm120.instruments.agent_bench`` so an installed package has it too.
 """
 
 import sys

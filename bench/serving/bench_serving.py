@@ -2,7 +2,7 @@
 
 Run from the repository root as ``python -m bench.serving.bench_serving --base-url ... --model ...``
 or ``python bench/serving/bench_serving.py ...``. The code lives in
-``dsv4_sm120.serving_bench.serving`` so an installed package has it too.
+``dsv4_sm120.instruments.serving`` so an installed package has it too.
 """
 
 import sys

@@ -2,7 +2,7 @@
 
 Run from the repository root as ``python -m bench.serving.storm_client --base-url ... --model ...``
 or ``python bench/serving/storm_client.py ...``. The code lives in
-``dsv4_sm120.serving_bench.storm_client`` so an installed package has it too.
+``dsv4_sm120.instruments.storm_client`` so an installed package has it too.
 """
 
 import sys

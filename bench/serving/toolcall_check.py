@@ -2,7 +2,7 @@
 
 Run from the repository root as ``python -m bench.serving.toolcall_check --base-url ... --model ...``
 or ``python bench/serving/toolcall_check.py ...``. The code lives in
-``dsv4_sm120.serving_bench.toolcall_check`` so an installed package has it too.
+``dsv4_sm120.instruments.toolcall_check`` so an installed package has it too.
 """
 
 import sys

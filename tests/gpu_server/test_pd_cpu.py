@@ -150,7 +150,7 @@ def test_the_servers_tokenizer_renders_a_storm_prompt_past_2048_tokens_in_dsv4s_
     from transformers import AutoTokenizer
 
     from bench.gpu_server import models
-    from dsv4_sm120.serving_bench import storm_client
+    from dsv4_sm120.instruments import storm_client
 
     tok = AutoTokenizer.from_pretrained(str(pd.write_tokenizer(tmp_path / "tok")))
     cfg = models.config("tiny")
@@ -224,7 +224,7 @@ def test_the_sets_agent_turns_render_in_dsv4s_chat_encoding_within_the_servers_c
     from sglang.srt.parser.deepseek_recipe_renderer import DeepSeekRecipe
     from transformers import AutoTokenizer
 
-    from dsv4_sm120.serving_bench import agent_bench
+    from dsv4_sm120.instruments import agent_bench
 
     module = {"incident": incident, "agents": agents}[setname]
     recipe = DeepSeekRecipe.from_hf_tokenizer("dsv4", AutoTokenizer.from_pretrained(str(pd.write_tokenizer(tmp_path))))

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from dsv4_sm120 import cli
-from dsv4_sm120.serving_bench import agent_bench
+from dsv4_sm120.instruments import agent_bench
 
 
 def _args(**over) -> argparse.Namespace:

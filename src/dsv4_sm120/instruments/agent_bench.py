@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from dsv4_sm120.serving_bench import common
-from dsv4_sm120.serving_bench.chat_stream import ChatError, chat
-from dsv4_sm120.serving_bench.toolcall_check import TOOLS
+from dsv4_sm120.instruments import common
+from dsv4_sm120.instruments.chat_stream import ChatError, chat
+from dsv4_sm120.instruments.toolcall_check import TOOLS
 
 _REQUEST_ERRORS = (ChatError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
 _ERRORS_KEPT = 3

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from dsv4_sm120.serving_bench import common
-from dsv4_sm120.serving_bench.chat_stream import ChatError, chat
+from dsv4_sm120.instruments import common
+from dsv4_sm120.instruments.chat_stream import ChatError, chat
 
 HEALTHY, WEDGED, UNHEALTHY_BEFORE = "healthy", "wedged", "unhealthy_before_storm"
 _ERRORS_KEPT = 3

@@ -14,7 +14,7 @@ the opening tags of the pin's DeepSeek detectors (sglang 0.5.23,
   their ``▁end｜>`` closers.
 
 The ASCII-bar spelling (``<|DSML|``) is matched as well, in case a proxy or client
-folds full-width characters. ``tests/serving_bench`` checks these markers against the
+folds full-width characters. ``tests/instruments`` checks these markers against the
 installed detectors, so a pin bump that renames a tag fails there.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from dsv4_sm120.serving_bench.chat_stream import ChatReply
+from dsv4_sm120.instruments.chat_stream import ChatReply
 
 DEEPSEEK_TOOL_MARKUP: tuple[str, ...] = (
     "｜DSML｜",

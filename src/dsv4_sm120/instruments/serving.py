@@ -26,7 +26,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from dsv4_sm120.serving_bench import common
+from dsv4_sm120.instruments import common
 
 UPSTREAM_MODULE = "sglang.benchmark.serving"
 SUMMARY_KEYS = (

@@ -14,7 +14,7 @@ import shlex
 import pytest
 
 from dsv4_sm120 import cli
-from dsv4_sm120.serving_bench import serving
+from dsv4_sm120.instruments import serving
 
 
 @pytest.fixture(scope="module")

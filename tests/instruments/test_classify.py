@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4_sm120.serving_bench.chat_stream import ChatReply, ToolCall
-from dsv4_sm120.serving_bench.classify import (
+from dsv4_sm120.instruments.chat_stream import ChatReply, ToolCall
+from dsv4_sm120.instruments.classify import (
     CONTENT,
     CORRUPTED,
     TOOL_CALL,

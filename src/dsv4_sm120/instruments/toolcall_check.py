@@ -5,7 +5,7 @@ markup inside the assistant ``content`` instead of structured ``tool_calls``; ag
 then showed the markup to users or stalled. Whether it happens depends on load, so
 this harness runs the same multi-turn sessions at each ``--concurrency`` (one session
 holds one slot for its whole life, as an agent does) and classifies every assistant
-turn with :func:`dsv4_sm120.serving_bench.classify.classify`: a structured tool call,
+turn with :func:`dsv4_sm120.instruments.classify.classify`: a structured tool call,
 plain content, or corrupted (markup in content, arguments that are not a JSON
 object, a tool that was not offered). The report gives, per concurrency, the
 corruption rate among tool-call turns (structured + corrupted) with examples.
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from dsv4_sm120.serving_bench import common
-from dsv4_sm120.serving_bench.chat_stream import ChatError, ChatReply, chat
-from dsv4_sm120.serving_bench.classify import CONTENT, CORRUPTED, TOOL_CALL, TurnClass, classify
+from dsv4_sm120.instruments import common
+from dsv4_sm120.instruments.chat_stream import ChatError, ChatReply, chat
+from dsv4_sm120.instruments.classify import CONTENT, CORRUPTED, TOOL_CALL, TurnClass, classify
 
 CLEAN, CORRUPT, INCONCLUSIVE = "clean", "corrupted", "inconclusive"
 _REQUEST_ERRORS = (ChatError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
