@@ -37,6 +37,8 @@ _last_health_log = [0.0]
 
 
 def hardening_on() -> bool:
+    """The switch as the environment sets it now: read at each call, not kept from ``register``, because one
+    process may run both (``dsv4-sm120 abort-storm`` builds the pin's thread and the hardened one in turn)."""
     return load().nixl_hardening
 
 
