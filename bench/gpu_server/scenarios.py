@@ -9,15 +9,17 @@ tokens request for request; the bf16 and fp8 top-512 selections of the same rows
 forward each; every package server must say once, in its log, what it built.
 
 ``cost`` (scenario c) on ``flash12``: decode step and prefill time of the package (bf16 keys) against
-upstream with each of its production fp8 indexer kernels, servers visited in ABBA order.
+upstream with each of its production fp8 indexer kernels, servers visited in shuffled rounds, each step
+measured by the client and from sglang's own decode log, and every step's kernels side by side.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 
-from bench.gpu_server import models, traffic
+from bench.gpu_server import models, step_log, traffic
 from bench.gpu_server.servers import ServerSpec
 
 GRID = [(1, 128), (1, 2048), (1, 4096), (1, 16384), (8, 128), (8, 4096), (8, 16384), (64, 128), (64, 2048)]
@@ -132,12 +134,17 @@ def compare(grid: dict, a: str, b: str) -> dict:
 
 DECODE_POINTS = [(b, ctx) for ctx in (32768, 4096) for b in (8, 64, 1)]  # the long context first
 PREFILL_POINTS = [4096, 16384]
-PROFILE_POINTS = [(1, 32768), (8, 32768), (64, 32768), (64, 4096)]
+PROFILE_POINTS = DECODE_POINTS  # every point, every server: the kernel-by-kernel difference of the steps
 PROFILE_TOKENS = 1024
 DECODE_SHORT, DECODE_STEPS = 8, 64
-# ABBA rounds per decode point, the step the median of a server's visits: on an H200 one visit in a pair of
-# two was 6% off its partner (3.397 vs 3.193 ms), more than the 3% bar the figure is held to
-DECODE_ROUNDS = 4
+# Rounds per point, each visiting every server once in an order of its own (shuffled, seeded by point and
+# round); a figure is the median of a server's visits, its spread their min-max: on an H200 one visit in a
+# pair of two was 6% off its partner (3.397 vs 3.193 ms), more than the bar the figure is held to.
+DECODE_ROUNDS = PREFILL_ROUNDS = 5
+# sglang logs a decode line every this many steps: a visit's 72 steps give 8 clean windows (step_log.py)
+DECODE_LOG_INTERVAL = 8
+# The two measures of a ratio "disagree" past this (0.5%): the client's stream against sglang's own log.
+DISAGREE = 0.005
 TAIL = 32  # each decode prompt: the shared context prefix plus a tail of its own
 
 
@@ -145,7 +152,7 @@ def cost_specs() -> list[ServerSpec]:
     # Half the pool for the sliding-window layers (upstream's default is a tenth): with 64 requests running, a
     # tenth was nearly full, evicted the cached context's window and sent part of each batch back to prefill.
     common = dict(mem_fraction=0.4, max_total_tokens=393216, context_length=40960, chunked_prefill=16384,
-                  extra_args=["--swa-full-tokens-ratio", "0.5"])
+                  extra_args=["--swa-full-tokens-ratio", "0.5", "--decode-log-interval", str(DECODE_LOG_INTERVAL)])
     return [
         ServerSpec("dsv4_bf16", "flash12", "dsv4", **common),
         ServerSpec("sglang_tilelang", "flash12", "sglang", upstream_indexer="tilelang", **common),
@@ -182,18 +189,29 @@ def first_vs_steady(first: dict, decode: dict, prefill: dict) -> dict:
     return out
 
 
-def _abba(names: list[str]) -> list[str]:
-    return names + names[::-1]
+def _visit_order(names: list[str], seed: str) -> list[str]:
+    """Every server once, in the order of this point and round (a seeded shuffle)."""
+    order = list(names)
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def _spread(values: list) -> dict | None:
+    vals = [v for v in values if v is not None]
+    return {"min": round(min(vals), 4), "max": round(max(vals), 4), "n": len(vals)} if vals else None
 
 
 def run_cost(servers: dict, logs: dict | None = None, work_dir=None, out: dict | None = None) -> dict:
-    """Decode step (ms) at batch 1/8/64 x context 4k/32k and prefill (ms) of 4k/16k, each server visited in
-    ABBA order per point (decode: ``DECODE_ROUNDS`` rounds, the median of its visits; prefill: two rounds). A
-    decode visit streams one batch whose context prefix
-    is cached; its step is the time from each prompt's ``DECODE_SHORT``-th token to its last over the
-    ``DECODE_STEPS`` tokens between (the median prompt), so prefill is outside it. Timing the difference of
-    two requests instead carried each request's own extend: on an H200 that gave steps from -8 to +12 ms
-    for one point."""
+    """Decode step (ms) at batch 1/8/64 x context 4k/32k and prefill (ms) of 4k/16k, every server visited once
+    per round in a shuffled order (``DECODE_ROUNDS``, ``PREFILL_ROUNDS``; the orders are in the record), each
+    figure the median of a server's visits with their min-max. A decode visit streams one batch whose context
+    prefix is cached, measured twice: by the client, from each prompt's ``DECODE_SHORT``-th token to its last
+    over the ``DECODE_STEPS`` tokens between (the median prompt), so prefill is outside it (timing the
+    difference of two requests instead carried each request's own extend: on an H200 that gave steps from -8
+    to +12 ms for one point); and by the server, from sglang's own decode log written during the visit
+    (``step_log.py``; ``logs`` gives each server's log). Where the two ratios differ by more than
+    ``DISAGREE`` the record says so. Then, with ``work_dir``, a profile of a few steps of every point on every
+    server, and the package's step against each upstream kernel's, kernel by kernel."""
     cfg = models.config("flash12")
     vocab = cfg["vocab_size"]
     names = list(servers)
@@ -204,27 +222,38 @@ def run_cost(servers: dict, logs: dict | None = None, work_dir=None, out: dict |
         for name in names:
             traffic.generate(servers[name], [prefix + traffic.prompt(1, TAIL, vocab)], 1)
     result["first_ms"] = first = warm_every_shape(servers, prefixes, vocab)
+    order = result.setdefault("visit_order", {})
     for i, length in enumerate(PREFILL_POINTS):
         visits = {n: [] for n in names}
-        for rep in range(2):
-            for v, name in enumerate(_abba(names)):  # a fresh prompt each visit: nothing cached
+        for rep in range(PREFILL_ROUNDS):
+            order[f"prefill {length} round {rep}"] = names_now = _visit_order(names, f"prefill {length} {rep}")
+            for v, name in enumerate(names_now):  # a fresh prompt each visit: nothing cached
                 t, _ = traffic.generate(servers[name], [traffic.prompt(50000 + 100 * i + 10 * rep + v, length, vocab)], 1)
                 visits[name].append(t * 1e3)
-        prefill[str(length)] = {n: {"ms": round(statistics.median(v), 3), "visits_ms": [round(x, 3) for x in v]}
-                                for n, v in visits.items()}
+        prefill[str(length)] = {n: {"ms": round(statistics.median(v), 3), "spread": _spread(v),
+                                    "visits_ms": [round(x, 3) for x in v]} for n, v in visits.items()}
     for i, (batch, ctx) in enumerate(DECODE_POINTS):
         visits: dict = {n: [] for n in names}
+        server: dict = {n: [] for n in names}
         long_visits: dict = {n: [] for n in names}
         for rep in range(DECODE_ROUNDS):
-            for v, name in enumerate(_abba(names)):
+            order[f"decode {batch}x{ctx} round {rep}"] = names_now = _visit_order(names, f"decode {batch}x{ctx} {rep}")
+            for v, name in enumerate(names_now):
                 ids = traffic.prompts(1000 * i + 100 * rep + 10 * v, batch, ctx, vocab, prefix=prefixes[ctx])
+                logged = len(logs[name]()) if logs else None
                 seconds, arrivals = traffic.stream_token_times(servers[name], ids, DECODE_SHORT + DECODE_STEPS)
                 visits[name].append(traffic.step_seconds(arrivals, DECODE_SHORT) * 1e3)
                 long_visits[name].append(seconds * 1e3)
-        decode[f"{batch}x{ctx}"] = {n: {"step_ms": round(statistics.median(v), 3), "visits_ms": [round(x, 3) for x in v],
-                                        "long_visits_ms": [round(x, 1) for x in long_visits[n]]}
-                                    for n, v in visits.items()}
+                server[name].append(step_log.visit_step_ms(logs[name]()[logged:], batch) if logs else None)
+        decode[f"{batch}x{ctx}"] = {
+            n: {"step_ms": round(statistics.median(v), 3), "spread": _spread(v), "visits_ms": [round(x, 3) for x in v],
+                "server_step_ms": (round(statistics.median([x for x in server[n] if x is not None]), 4)
+                                   if any(x is not None for x in server[n]) else None),
+                "server_spread": _spread(server[n]), "server_visits_ms": server[n],
+                "long_visits_ms": [round(x, 1) for x in long_visits[n]]}
+            for n, v in visits.items()}
     result["ratios"] = ratios(decode, prefill)
+    result["measures_disagree"] = disagreements(result["ratios"])
     result["first_vs_steady"] = first_vs_steady(first, decode, prefill)
     result["indexer_share"] = shares
     if work_dir is not None:  # after the timed visits: a profile window slows the step it records
@@ -235,6 +264,11 @@ def run_cost(servers: dict, logs: dict | None = None, work_dir=None, out: dict |
                         servers[name], work_dir, f"{name}_{batch}x{ctx}", batch, ctx, prefixes[ctx], vocab)
                 except Exception as exc:  # a figure the run could not take is said, not fatal
                     shares[f"{name} decode {batch}x{ctx}"] = {"error": f"{type(exc).__name__}: {exc}"}
+        result["kernel_diff"] = {
+            f"dsv4_bf16 - {base} decode {batch}x{ctx}": step_log.kernel_diff(ours["table"], theirs["table"])
+            for batch, ctx in PROFILE_POINTS for base in ("sglang_tilelang", "sglang_deepgemm")
+            if "table" in (ours := shares.get(f"dsv4_bf16 decode {batch}x{ctx}", {}))
+            and "table" in (theirs := shares.get(f"{base} decode {batch}x{ctx}", {}))}
     return result
 
 
@@ -251,6 +285,20 @@ def ratios(decode: dict, prefill: dict) -> dict:
             **{f"prefill {k}": ratio(v["dsv4_bf16"]["ms"], v[base]["ms"]) for k, v in prefill.items()
                if base in v and "dsv4_bf16" in v},
         }
+        out[f"dsv4_bf16/{base} server"] = {  # sglang's own decode log (step_log.py)
+            f"decode {k}": ratio(v["dsv4_bf16"]["server_step_ms"], v[base]["server_step_ms"]) for k, v in decode.items()
+            if base in v and "dsv4_bf16" in v and v[base].get("server_step_ms") and v["dsv4_bf16"].get("server_step_ms")}
+    return out
+
+
+def disagreements(ratio_table: dict) -> dict:
+    """The decode points where the client's ratio and the server's differ by more than ``DISAGREE``."""
+    out = {}
+    for base in ("sglang_tilelang", "sglang_deepgemm"):
+        client, server = ratio_table.get(f"dsv4_bf16/{base}", {}), ratio_table.get(f"dsv4_bf16/{base} server", {})
+        for point, r in server.items():
+            if client.get(point) and r and abs(client[point] - r) > DISAGREE:
+                out[f"{base} {point}"] = {"client": client[point], "server": r}
     return out
 
 
@@ -304,6 +352,6 @@ def profile_decode(url: str, out_dir, name: str, batch: int, ctx: int, prefix: l
         traces = sorted(out_dir.rglob("*.trace.json.gz"))
         if traces:
             time.sleep(2.0)  # let the export finish writing
-            return {"steps": steps, **kernel_shares(traces[-1])}
+            return {"steps": steps, **kernel_shares(traces[-1]), "table": step_log.kernel_table(traces[-1], steps)}
         time.sleep(1.0)
     return {"error": f"no trace in {out_dir} after {timeout:.0f}s"}

@@ -128,13 +128,14 @@ def test_prompts_are_the_same_for_a_seed_and_share_a_prefix():
     assert min(min(p) for p in traffic.prompts(1, 2, 500, 64)) >= traffic.FIRST_TOKEN
 
 
-def test_cost_visits_every_server_in_abba_order_and_reads_a_profile(monkeypatch, tmp_path):
+def test_cost_visits_every_server_in_shuffled_rounds_and_reads_a_profile(monkeypatch, tmp_path):
     import gzip
 
     monkeypatch.setattr(scenarios, "DECODE_POINTS", [(2, 300)])
     monkeypatch.setattr(scenarios, "PREFILL_POINTS", [200])
     monkeypatch.setattr(scenarios, "DECODE_STEPS", 6)
     monkeypatch.setattr(scenarios, "DECODE_ROUNDS", 2)
+    monkeypatch.setattr(scenarios, "PREFILL_ROUNDS", 2)
     visits = []
     monkeypatch.setattr(scenarios.traffic, "prompt", lambda seed, n, vocab: [2] * n)
     real_generate, real_stream = traffic.generate, traffic.stream_token_times
@@ -158,22 +159,27 @@ def test_cost_visits_every_server_in_abba_order_and_reads_a_profile(monkeypatch,
         for server, _ in started.values():
             server.shutdown()
     # after each server cached the prefix, met every shape once untimed (one prefill, one decode point here)
-    # and the prefill visits (2 rounds of ABBA), each decode visit is one streamed batch
-    start = len(urls) + 2 * len(urls) + 2 * 6
+    # and the prefill visits (2 shuffled rounds), each decode visit is one streamed batch
+    start = len(urls) + 2 * len(urls) + 2 * len(urls)  # the prefix cached, each shape once, 2 prefill rounds
     assert [u for _, u in visits[len(urls):3 * len(urls)]] == [url for url in urls.values() for _ in range(2)]
     assert set(res["first_ms"]) == set(urls)
     assert set(res["first_ms"]["dsv4_bf16"]) == {"prefill 200", "decode 2x300"}
     # each shape's first request against the same request's timed visits
     assert set(res["first_vs_steady"]["dsv4_bf16"]) == {"prefill 200", "decode 2x300"}
-    assert len(res["decode"]["2x300"]["dsv4_bf16"]["long_visits_ms"]) == 4
-    abba = ("dsv4_bf16", "sglang_tilelang", "sglang_deepgemm", "sglang_deepgemm", "sglang_tilelang", "dsv4_bf16")
-    assert visits[start:] == [("stream", urls[n]) for n in abba * 2]  # DECODE_ROUNDS rounds of ABBA
-    assert len(res["decode"]["2x300"]["dsv4_bf16"]["visits_ms"]) == 4
+    assert len(res["decode"]["2x300"]["dsv4_bf16"]["long_visits_ms"]) == 2
+    rounds = [res["visit_order"][f"decode 2x300 round {r}"] for r in range(2)]
+    assert all(sorted(r) == sorted(urls) for r in rounds)  # every server once a round, in that round's order
+    assert visits[start:] == [("stream", urls[n]) for r in rounds for n in r]
+    assert res["visit_order"]["decode 2x300 round 0"] == scenarios._visit_order(list(urls), "decode 2x300 0")
+    assert len(res["decode"]["2x300"]["dsv4_bf16"]["visits_ms"]) == 2
+    assert res["decode"]["2x300"]["dsv4_bf16"]["server_step_ms"] is None  # no logs given: no server measure
     # the step is read off the stream: each server's own step, whatever its prefill took
     for name, step in steps.items():
         assert res["decode"]["2x300"][name]["step_ms"] == pytest.approx(step * 1e3, rel=0.25)
     assert res["ratios"]["dsv4_bf16/sglang_tilelang"]["decode 2x300"] == pytest.approx(2.0, rel=0.3)
-    assert set(res["ratios"]) == {"dsv4_bf16/sglang_tilelang", "dsv4_bf16/sglang_deepgemm"}
+    assert set(res["ratios"]) == {"dsv4_bf16/sglang_tilelang", "dsv4_bf16/sglang_deepgemm",
+                                  "dsv4_bf16/sglang_tilelang server", "dsv4_bf16/sglang_deepgemm server"}
+    assert res["ratios"]["dsv4_bf16/sglang_tilelang server"] == {} and res["measures_disagree"] == {}
 
     trace = tmp_path / "x.trace.json.gz"
     events = [{"cat": "kernel", "name": "_logits_kernel", "dur": 30.0},

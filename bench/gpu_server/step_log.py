@@ -1,0 +1,72 @@
+"""The server side of the cost set: sglang's own decode step time from its log, and each step's kernels.
+
+Step time. sglang's scheduler logs a ``Decode batch`` line every ``--decode-log-interval`` decode steps, with
+the requests running N and the generation throughput T of the steps since its previous line (tokens over
+wall time). While N requests decode, every step makes N tokens, so that window's step is N / T. A window is
+clean when each of its steps decoded the visit's whole batch: its line shows N equal to the batch, and it is
+not the visit's first line, whose window reaches back over the idle gap and the previous visit's last steps.
+
+Kernels. A torch profile of a few decode steps (sglang's ``/start_profile``) holds every GPU kernel the steps
+ran; :func:`kernel_table` gives each kernel's launches and GPU time per step, the package's own kernels
+marked, and :func:`kernel_diff` the difference of two servers' tables, kernel by kernel, largest first, with
+the kernels that run on one side only.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import statistics
+from collections import defaultdict
+
+LINE = re.compile(r"Decode batch.*?#running-req: (\d+),.*?gen throughput \(token/s\): ([0-9.]+)")
+# The package's Triton kernels (src/dsv4_sm120/kernels): logits, key store, query, page checksum, page copy.
+PACKAGE_KERNELS = re.compile(r"^_(logits|store|query|checksum|copy_pages)_kernel")
+
+
+def window_steps_ms(log_text: str, batch: int) -> list[float]:
+    """The step (ms) of every clean logged window in ``log_text``, the log written during one visit."""
+    windows = LINE.findall(log_text)[1:]  # the first reaches back before the visit
+    return [int(n) * 1e3 / float(t) for n, t in windows if int(n) == batch and float(t) > 0]
+
+
+def visit_step_ms(log_text: str, batch: int) -> float | None:
+    """One visit's server-side step: the median of its clean windows (None: the visit logged none)."""
+    steps = window_steps_ms(log_text, batch)
+    return round(statistics.median(steps), 4) if steps else None
+
+
+def kernel_table(trace_path, steps: int) -> list[dict]:
+    """Every GPU kernel of one profile (``*.trace.json.gz``) of ``steps`` decode steps: name, launches and GPU
+    time per step, the package's own marked; the most time first."""
+    with gzip.open(trace_path, "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    launches: dict[str, int] = defaultdict(int)
+    gpu_us: dict[str, float] = defaultdict(float)
+    for ev in events:
+        if ev.get("cat") == "kernel" and "dur" in ev:
+            launches[ev["name"]] += 1
+            gpu_us[ev["name"]] += float(ev["dur"])
+    return [{"name": name, "launches_per_step": round(launches[name] / steps, 2),
+             "us_per_step": round(gpu_us[name] / steps, 2), "package": bool(PACKAGE_KERNELS.match(name))}
+            for name in sorted(gpu_us, key=gpu_us.get, reverse=True)]
+
+
+def kernel_diff(ours: list[dict], theirs: list[dict], keep: int = 25) -> dict:
+    """``ours`` minus ``theirs`` per step: the totals, and per kernel name the GPU time and launches each side
+    spends, largest absolute difference first (``keep`` of them), with the names on one side only."""
+    a, b = {k["name"]: k for k in ours}, {k["name"]: k for k in theirs}
+    rows = []
+    for name in set(a) | set(b):
+        us_a, us_b = (a[name]["us_per_step"] if name in a else 0.0), (b[name]["us_per_step"] if name in b else 0.0)
+        rows.append({"name": name[:120], "ours_us": us_a, "theirs_us": us_b, "delta_us": round(us_a - us_b, 2),
+                     "ours_launches": a[name]["launches_per_step"] if name in a else 0.0,
+                     "theirs_launches": b[name]["launches_per_step"] if name in b else 0.0,
+                     "side": "both" if name in a and name in b else "ours only" if name in a else "theirs only"})
+    rows.sort(key=lambda r: abs(r["delta_us"]), reverse=True)
+    total_a, total_b = sum(k["us_per_step"] for k in ours), sum(k["us_per_step"] for k in theirs)
+    return {"ours_us_per_step": round(total_a, 2), "theirs_us_per_step": round(total_b, 2),
+            "delta_us_per_step": round(total_a - total_b, 2), "kernels": rows[:keep],
+            "ours_only_us": round(sum(r["ours_us"] for r in rows if r["side"] == "ours only"), 2),
+            "theirs_only_us": round(sum(r["theirs_us"] for r in rows if r["side"] == "theirs only"), 2)}

@@ -1,0 +1,67 @@
+"""The cost set's server-side measure: sglang's decode log lines read as step times, and profiles as kernel tables.
+
+The log lines are sglang 0.5.23's own format (``metrics_reporter.py``), as an H200 cost run wrote them."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from bench.gpu_server import step_log
+
+VISIT = """\
+[2026-12-02 21:53:36] Decode batch, #running-req: 8, #full token: 36608, full token usage: 0.09, #swa token: 4096, swa token usage: 0.02, cuda graph: True, gen throughput (token/s): 27.72, #queue-req: 0
+[2026-12-02 21:53:36] INFO:     127.0.0.1:40772 - "POST /generate HTTP/1.1" 200 OK
+[2026-12-02 21:53:36] Decode batch, #running-req: 8, #full token: 36608, full token usage: 0.09, #swa token: 4096, swa token usage: 0.02, cuda graph: True, gen throughput (token/s): 2303.97, #queue-req: 0
+[2026-12-02 21:53:36] Decode batch, #running-req: 8, #full token: 36672, full token usage: 0.09, #swa token: 4096, swa token usage: 0.02, cuda graph: True, gen throughput (token/s): 2285.71, #queue-req: 0
+[2026-12-02 21:53:37] Decode batch, #running-req: 3, #full token: 36700, full token usage: 0.09, #swa token: 4096, swa token usage: 0.02, cuda graph: True, gen throughput (token/s): 900.00, #queue-req: 0
+"""
+
+
+def test_a_visits_step_is_the_median_of_its_clean_windows():
+    # the first window reaches back over the idle gap (27.72 tok/s); the last decoded 3 of the 8 requests
+    assert step_log.window_steps_ms(VISIT, 8) == [pytest.approx(8e3 / 2303.97), pytest.approx(8e3 / 2285.71)]
+    assert step_log.visit_step_ms(VISIT, 8) == pytest.approx((8e3 / 2303.97 + 8e3 / 2285.71) / 2, abs=1e-4)
+    assert step_log.visit_step_ms(VISIT.splitlines()[0], 8) is None  # a visit that logged one line: no figure
+
+
+def test_kernel_tables_per_step_and_their_difference_kernel_by_kernel(tmp_path):
+    def trace(name, kernels):
+        path = tmp_path / f"{name}.trace.json.gz"
+        events = [{"cat": "kernel", "name": k, "dur": d} for k, d in kernels] + [{"cat": "cpu_op", "name": "x", "dur": 9}]
+        with gzip.open(path, "wt") as f:
+            json.dump({"traceEvents": events}, f)
+        return path
+
+    ours = step_log.kernel_table(trace("ours", [("_logits_kernel", 30.0), ("_logits_kernel", 30.0),
+                                                ("_store_kernel", 8.0), ("gemm", 100.0), ("gemm", 100.0)]), steps=2)
+    theirs = step_log.kernel_table(trace("theirs", [("tl_paged_mqa_logits", 50.0), ("tl_paged_mqa_logits", 50.0),
+                                                    ("gemm", 98.0), ("gemm", 98.0)]), steps=2)
+    assert ours[0] == {"name": "gemm", "launches_per_step": 1.0, "us_per_step": 100.0, "package": False}
+    assert {k["name"]: k["package"] for k in ours} == {"gemm": False, "_logits_kernel": True, "_store_kernel": True}
+    diff = step_log.kernel_diff(ours, theirs)
+    assert diff["delta_us_per_step"] == pytest.approx(134.0 - 148.0)
+    assert [r["name"] for r in diff["kernels"]] == ["tl_paged_mqa_logits", "_logits_kernel", "_store_kernel", "gemm"]
+    assert diff["ours_only_us"] == 34.0 and diff["theirs_only_us"] == 50.0
+    assert diff["kernels"][-1] == {"name": "gemm", "ours_us": 100.0, "theirs_us": 98.0, "delta_us": 2.0,
+                                   "ours_launches": 1.0, "theirs_launches": 1.0, "side": "both"}
+
+
+def test_the_cost_servers_log_a_decode_line_often_enough_for_clean_windows():
+    from bench.gpu_server import scenarios
+
+    for spec in scenarios.cost_specs():
+        args = spec.argv(__import__("pathlib").Path("/m"), 1)
+        assert args[args.index("--decode-log-interval") + 1] == str(scenarios.DECODE_LOG_INTERVAL)
+    # a visit's steps hold several windows past the first
+    assert (scenarios.DECODE_SHORT + scenarios.DECODE_STEPS) // scenarios.DECODE_LOG_INTERVAL >= 4
+
+
+def test_the_two_measures_are_said_to_disagree_past_half_a_percent():
+    from bench.gpu_server import scenarios
+
+    table = {"dsv4_bf16/sglang_tilelang": {"decode 8x4096": 0.99, "decode 1x4096": 1.02},
+             "dsv4_bf16/sglang_tilelang server": {"decode 8x4096": 1.028, "decode 1x4096": 1.022}}
+    assert scenarios.disagreements(table) == {"sglang_tilelang decode 8x4096": {"client": 0.99, "server": 1.028}}
