@@ -1,2 +1,2 @@
-"""Real DeepSeek-V4 sglang servers on a GPU host without network access: ``pack`` the pin's packages on a
-networked host, carry the parts over, ``unpack`` them there, ``run`` the scenarios; ``python -m bench.gpu_server``."""
+"""Real DeepSeek-V4 sglang servers on a GPU host: ``python -m bench.gpu_server run SET`` starts them, runs a
+set's scenarios and writes one record; the host is set up by the air-gap tool (``python -m bench.airgap``)."""

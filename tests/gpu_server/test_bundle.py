@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_server import bundle, models, pack
+from bench.airgap import bundle, pack
+from bench.gpu_server import models
 
 REPO = Path(__file__).resolve().parents[2]
 PART_MB = 1.0
@@ -101,7 +102,7 @@ def venv(tmp_path_factory) -> Path:
 
 
 def _pack(venv: Path, out: Path, cache: Path, *flags: str) -> Path:
-    subprocess.run([sys.executable, "-m", "bench.gpu_server", "pack", "--venv", str(venv), "--out", str(out),
+    subprocess.run([sys.executable, "-m", "bench.airgap", "pack", "--venv", str(venv), "--out", str(out),
                     "--part-mb", str(PART_MB), "--cache", str(cache), "--xz-level", "6", *flags],
                    cwd=REPO, check=True, capture_output=True, text=True)
     return out
@@ -122,7 +123,7 @@ def _manifest(out: Path) -> dict:
 
 
 def _unpack(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bench.gpu_server", "unpack", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "bench.airgap", "unpack", *map(str, args)],
                           cwd=REPO, capture_output=True, text=True)
 
 
@@ -287,7 +288,7 @@ def test_arch_and_flags_choose_what_is_carried(venv, tmp_path):
 def test_jit_cache_save_splits_within_the_size_and_load_puts_every_file_back(tmp_path):
     import os
 
-    from bench.gpu_server import __main__ as cli
+    from bench.airgap import __main__ as cli
 
     root = tmp_path / "cache"
     for i in range(3):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_server import fatbin
+from bench.airgap import fatbin
 
 SASS, PTX = 2, 1
 

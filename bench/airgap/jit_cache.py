@@ -7,8 +7,8 @@ carrying the cache root (``DSV4_CACHE_ROOT``, which ``env.sh`` points every cach
 xz parts no larger than a given size (uploads and downloads may be limited per file), ``load`` puts them back.
 Standard library only, like ``unpack``.
 
-    python -m bench.gpu_server cache save --out DIR [--part-mb 15]     # DIR/jit_cache.tar.xz.00, .01, ...
-    python -m bench.gpu_server cache load DIR/jit_cache.tar.xz.*
+    python -m bench.airgap cache save --out DIR [--part-mb 15]     # DIR/jit_cache.tar.xz.00, .01, ...
+    python -m bench.airgap cache load DIR/jit_cache.tar.xz.*
 """
 
 from __future__ import annotations

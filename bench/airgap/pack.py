@@ -33,8 +33,9 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.gpu_server import fatbin, models, policy
-from bench.gpu_server.bundle import MANIFEST, normalize, sha256
+from bench.airgap import fatbin, policy
+from bench.airgap.bundle import MANIFEST, normalize, sha256
+from bench.gpu_server import models
 
 try:
     from packaging.requirements import Requirement
@@ -235,7 +236,7 @@ def wheel_builder_problem() -> str | None:
     return (f"pack builds the project's wheel offline with this python's setuptools ({sys.executable}: setuptools "
             f"{version or 'not installed'}, no 'wheel' package); it needs setuptools >= 70.1 or the 'wheel' package. "
             f"Run pack with the project's environment (python3 -m venv .venv && .venv/bin/pip install -e '.[test]', "
-            f"then .venv/bin/python -m bench.gpu_server pack ...), or: {sys.executable} -m pip install 'setuptools>=70.1'")
+            f"then .venv/bin/python -m bench.airgap pack ...), or: {sys.executable} -m pip install 'setuptools>=70.1'")
 
 
 def build_project_wheel(out: Path) -> Path:
