@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
+import run_record  # noqa: E402 - bench/ is this script folder's own path entry
 import torch
 import triton
 import triton.language as tl
@@ -109,20 +107,13 @@ def fp8_gemm_ceiling(size: int = 8192) -> dict:
 
 
 def run_meta() -> dict:
-    commit = os.environ.get("COMMIT")  # a copy on the GPU host may lack .git or hold a stale one: the caller passes COMMIT
-    if not commit:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=REPO, text=True).strip()
-        except Exception:
-            commit = "unknown"
-    dirty = os.environ.get("COMMIT_DIRTY", "")
     return {
-        "commit": commit + ("-dirty" if dirty == "1" else ""),
+        "commit": run_record.commit(),
         "device": "cpu (dry run)" if _DRY["on"] else torch.cuda.get_device_name(),
         "capability": "" if _DRY["on"] else ".".join(map(str, torch.cuda.get_device_capability())),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": run_record.now_utc(),
     }
 
 

@@ -49,7 +49,6 @@ import pickle
 import platform
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,6 +57,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 # Only the guard's torch-only modules are imported (no sglang, no plugin registration).
 sys.path.insert(0, str(ROOT / "src"))
+import run_record  # noqa: E402 - bench/ is this script's own folder on sys.path
 
 
 def broadcast_pyobj(data: list, rank: int, group, src: int = 0) -> list:
@@ -270,13 +270,6 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def _commit(given: str | None) -> str:
-    if given:
-        return given
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return out.stdout.strip() or "unknown (no git checkout; pass --commit)"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8])
@@ -311,9 +304,9 @@ def main() -> int:
         f"{len(os.sched_getaffinity(0))} usable; GPU unused; gloo over 127.0.0.1"
     )
     out = {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "date": run_record.now_utc(),
         "device": host,
-        "commit": _commit(a.commit),
+        "commit": run_record.commit(a.commit),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "kernel": platform.release(),

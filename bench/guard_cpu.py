@@ -22,14 +22,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "guard"))
+import run_record  # noqa: E402 - bench/ is this script's own folder on sys.path
 
 
 def main() -> int:
@@ -82,11 +81,10 @@ def main() -> int:
         row["rounds_base_us"] = [round(x, 1) for x in base]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     out = {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "date": run_record.now_utc(),
         "device": f"CPU only, {os.cpu_count()} cores (shared with other jobs), gloo over loopback TCP",
-        "commit": commit,
+        "commit": run_record.commit(),
         "loop": "event_loop_overlap_disagg_prefill (patched) with the guard's hooks, harness of tests/guard",
         "iters_per_round": args.iters,
         "rounds": args.rounds,

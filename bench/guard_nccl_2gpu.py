@@ -89,6 +89,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "guard"), str(ROOT / "tests")]
+import run_record  # noqa: E402 - bench/ is this script's own folder on sys.path
 STANDINS_ENV = "DSV4_GUARD_BENCH_STANDINS"  # the stand-ins a --standins run installed, for its spawned ranks
 GUARD_SWITCH = "DSV4_SM120_COLLECTIVE_GUARD"
 NEVER_STOOD_IN = ("sglang", "dsv4_sm120", "torch", "zmq")  # the harness runs these for real
@@ -345,13 +346,6 @@ def device_of(backend: str, world: int) -> dict:
             "cuda": torch.version.cuda}
 
 
-def commit_of(given: str | None) -> str:
-    if given:
-        return given
-    got = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    return got or "unknown"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
@@ -395,11 +389,11 @@ def main() -> int:
     watch = h.Watch(tempfile.mkdtemp(prefix="dsv4watch"), stall_s=args.stall_s, kill_s=args.kill_s)
     started = time.monotonic()
     out = {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "date": run_record.now_utc(),
         "label": ("the forward's collectives on NCCL, one GPU per rank" if args.backend == "nccl" else
                   "NOT the NCCL run: the forward group on gloo, on a CPU (a stand-in that exercises everything "
                   "but NCCL itself)"),
-        "backend": args.backend, "device": device_of(args.backend, args.world), "commit": commit_of(args.commit),
+        "backend": args.backend, "device": device_of(args.backend, args.world), "commit": run_record.commit(args.commit),
         "torch": torch.__version__, "python": sys.version.split()[0], "world": args.world, "start": args.start,
         "standins": standins,
         "forward_shape": {"layers": shape.layers, "hidden": shape.hidden, "vocab": shape.vocab, "dtype": shape.dtype,

@@ -33,6 +33,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import run_record
 from bench.airgap import fatbin, policy
 from bench.airgap.bundle import MANIFEST, normalize, sha256
 from bench.gpu_server import models
@@ -377,10 +378,8 @@ def layout(archives: dict[str, Path], capacity: int) -> list[list[dict]]:
 
 
 def _git_commit() -> dict:
-    def git(*args):
-        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True).stdout.strip()
-
-    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    head, dirty = run_record.checkout()
+    return {"commit": head, "dirty": dirty}
 
 
 def pack(venv: Path, out: Path, part_mb: float, archs: tuple[int, ...], cache: Path, level: int, threads: int,

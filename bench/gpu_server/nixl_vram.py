@@ -10,11 +10,11 @@ compared. Prints one JSON line: the UCX memory kinds, the transfer's state, byte
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.metadata
 import json
-import os
 import time
+
+from bench import run_record
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from nixl._api import nixl_agent, nixl_agent_config
 
-    out: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "commit": os.environ.get("COMMIT", ""), "device": torch.cuda.get_device_name(0),
+    out: dict = {"date": run_record.now_utc(),
+                 "commit": run_record.commit(), "device": torch.cuda.get_device_name(0),
                  "torch": torch.__version__, "nixl": importlib.metadata.version("nixl")}
     sender = nixl_agent("prefill", nixl_agent_config(backends=["UCX"]))
     receiver = nixl_agent("decode", nixl_agent_config(backends=["UCX"]))

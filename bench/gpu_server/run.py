@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import signal
@@ -24,6 +23,7 @@ import tarfile
 import time
 from pathlib import Path
 
+from bench import run_record
 from bench.gpu_server import agents, hicache, incident, pd, scenarios
 from bench.gpu_server.servers import Started, launch_line, log_tail, start, wait_healthy
 
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the unpacked bundle (its models/ holds the checkpoints)")
     ap.add_argument("--out", type=Path, required=True, help="the JSON to write")
     ap.add_argument("--logs", type=Path, default=None, help="server logs (default: beside --out)")
-    ap.add_argument("--commit", default=os.environ.get("COMMIT", ""), help="the project's commit being run")
+    ap.add_argument("--commit", default=None, help="the project's commit being run (default: $COMMIT, else this checkout's)")
     ap.add_argument("--startup-timeout", type=float, default=float(os.environ.get("DSV4_GPU_STARTUP_TIMEOUT", 480)),
                     help="seconds for every server to answer /health_generate (env DSV4_GPU_STARTUP_TIMEOUT)")
     ap.add_argument("--only", default="", help="comma-separated server names of the set (default: all)")
@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = args.logs or args.out.parent / f"logs_{args.set}"
     log_dir.mkdir(parents=True, exist_ok=True)
     record = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": args.commit, "set": args.set, **host_facts(),
+        "date": run_record.now_utc(),
+        "commit": run_record.commit(args.commit), "set": args.set, **host_facts(),
         "bundle": json.loads((args.bundle / "bundle.json").read_text()) if (args.bundle / "bundle.json").exists() else None,
         "replaced": [],  # upstream calls routed elsewhere: none; a run that needs one names it here
         "servers": {},
