@@ -23,10 +23,8 @@ with their min-max.
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -71,15 +69,9 @@ def specs(tokenizer: Path) -> list[ServerSpec]:
 
 def agent(front: str, metrics_url: str, concurrency: int, out: Path) -> dict:
     """One level of ``agent-bench`` against ``front``; its level record (or the error)."""
-    argv = [*pd.CLI, "agent-bench", "--base-url", front, "--model", "flash12", "--metrics-url", metrics_url,
-            "--concurrency", str(concurrency), *AGENT, "--device", "a GPU host: DeepSeek-V4 flash12 (dummy weights)",
-            "--out", str(out)]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=LEVEL_TIMEOUT_S)
-    if not out.exists():
-        return {"error": f"agent-bench wrote nothing (exit {proc.returncode}): {proc.stderr[-1500:]}"}
-    level = json.loads(out.read_text())["levels"][0]
-    return {k: v for k, v in level.items() if k != "server_counter_deltas"} | {
-        "load_back_tokens": level["server_counter_deltas"].get("sglang:load_back_tokens_total", 0.0)}
+    return pd.agent_level(["--base-url", front, "--model", "flash12", "--metrics-url", metrics_url,
+                           "--concurrency", str(concurrency), *AGENT,
+                           "--device", "a GPU host: DeepSeek-V4 flash12 (dummy weights)"], out, LEVEL_TIMEOUT_S)
 
 
 def _spread(values: list[float]) -> dict:

@@ -25,7 +25,6 @@ shared prefixes of ~4k tokens):
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -61,11 +60,10 @@ HELD = ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:num_prefill_
 UPSTREAM_COUNTERS = ("sglang:load_back_tokens_total", "sglang:prompt_tokens_total", "sglang:cached_tokens_total")
 
 
-def _agent(pair: pd.Pair, out: Path, sessions: int, extra: tuple = ()) -> list[str]:
-    return [*pd.CLI, "agent-bench", "--base-url", pair.cluster.front, "--model", "tiny", "--sessions", str(sessions),
+def _agent(pair: pd.Pair, sessions: int, extra: tuple = ()) -> list[str]:
+    return ["--base-url", pair.cluster.front, "--model", "tiny", "--sessions", str(sessions),
             "--concurrency", str(sessions), "--metrics-url", pair.cluster.prefill.url, *AGENT, *extra,
-            "--device", "a GPU host: DeepSeek-V4 hicache (dummy weights), PD over NIXL, HiCache on the prefill",
-            "--out", str(out)]
+            "--device", "a GPU host: DeepSeek-V4 hicache (dummy weights), PD over NIXL, HiCache on the prefill"]
 
 
 def held(pair: pd.Pair) -> dict[str, float]:
@@ -97,8 +95,8 @@ def fresh_chat(pair: pd.Pair) -> dict:
 def kill_round(pair: pd.Pair, work: Path, k: int) -> dict:
     """80 agents started, killed ``KILL_AFTER_S`` in; then a fresh chat and /health."""
     out = work / f"agent_kill{pair.tag}_{k}.json"
-    agent = subprocess.Popen(_agent(pair, out, 80, ("--turns", "50")), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+    agent = subprocess.Popen([*pd.CLI, "agent-bench", *_agent(pair, 80, ("--turns", "50")), "--out", str(out)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         started_by = time.monotonic() + FIRST_REQUESTS_S  # the agent's start is not counted in the time to its kill
         while time.monotonic() < started_by and not any(held(pair).values()) and agent.poll() is None:
@@ -112,14 +110,9 @@ def kill_round(pair: pd.Pair, work: Path, k: int) -> dict:
 
 
 def multi_turn(pair: pd.Pair, work: Path) -> dict:
-    out = work / f"agent_multi_turn{pair.tag}.json"
-    proc = subprocess.run(_agent(pair, out, MULTI_TURN_SESSIONS, ("--turns", "20", "--cut-fraction", "0.2",
-                                                                  "--level-seconds", str(MULTI_TURN_S))),
-                          capture_output=True, text=True, timeout=MULTI_TURN_S + 360)
-    if not out.exists():
-        return {"error": f"agent-bench wrote nothing (exit {proc.returncode}): {proc.stderr[-1500:]}"}
-    level = json.loads(out.read_text())["levels"][0]
-    return {"returncode": proc.returncode, **{k: v for k, v in level.items() if k != "server_counter_deltas"}}
+    extra = ("--turns", "20", "--cut-fraction", "0.2", "--level-seconds", str(MULTI_TURN_S))
+    return pd.agent_level(_agent(pair, MULTI_TURN_SESSIONS, extra), work / f"agent_multi_turn{pair.tag}.json",
+                          MULTI_TURN_S + 360)
 
 
 def run_pair(pair: pd.Pair, log_dir: Path, work: Path, res: dict) -> None:

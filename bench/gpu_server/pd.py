@@ -39,6 +39,7 @@ names, runs only those: a later run can take what an earlier run's budget left o
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -239,6 +240,19 @@ def patch_sglang() -> dict:
         proc = subprocess.run(CLI + step, capture_output=True, text=True, timeout=120)
         done[" ".join(step)] = {"returncode": proc.returncode, "tail": (proc.stdout + proc.stderr)[-800:]}
     return done
+
+
+def agent_level(args: list[str], out: Path, timeout: float) -> dict:
+    """One level of ``dsv4-sm120 agent-bench args`` (its JSON to ``out``): the level's figures, its exit status and
+    the tokens HiCache loaded back meanwhile (its other counter deltas left out), or the error."""
+    proc = subprocess.run([*CLI, "agent-bench", *args, "--out", str(out)], capture_output=True, text=True,
+                          timeout=timeout)
+    if not out.exists():
+        return {"error": f"agent-bench wrote nothing (exit {proc.returncode}): {proc.stderr[-1500:]}"}
+    level = json.loads(out.read_text())["levels"][0]
+    deltas = level.pop("server_counter_deltas")
+    return {"returncode": proc.returncode, **level,
+            "load_back_tokens": deltas.get("sglang:load_back_tokens_total", 0.0)}
 
 
 def prepare(log_dir: Path, out: dict) -> tuple[Path, Path]:

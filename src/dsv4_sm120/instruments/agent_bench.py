@@ -7,8 +7,9 @@ gain nor a fix's price on that traffic can be read from it. This instrument runs
 
 - ``--sessions`` agent sessions in ``--groups`` groups; a group's sessions share a system prompt of
   ``--prefix-words`` words (the agent's instructions and tool definitions), each session then grows its own
-  history (``--start-words`` of it before the first turn): every turn appends an assistant tool call and its result of ``--turn-words`` words, and a session
-  past ``--max-history-words`` starts a new task on the same prefix.
+  history (``--start-words`` of it before the first turn): every turn appends an assistant tool call and its
+  result of ``--turn-words`` words, and a session past ``--max-history-words`` starts a new task on the same
+  prefix.
 - ``C`` workers per level take sessions round-robin, one turn each, so a session's next turn comes after
   ``sessions - 1`` other turns: with more sessions than the device pool holds, it finds its history evicted
   (on the host with HiCache, recomputed without), which is the case HiCache is for.
@@ -41,11 +42,9 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from dsv4_sm120.instruments import common
-from dsv4_sm120.instruments.chat_stream import ChatError, chat
+from dsv4_sm120.instruments.chat_stream import REQUEST_ERRORS, chat, keep_error
 from dsv4_sm120.instruments.toolcall_check import TOOLS
 
-_REQUEST_ERRORS = (ChatError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
-_ERRORS_KEPT = 3
 PROMPT_TOKENS, CACHED_TOKENS = "sglang:prompt_tokens_total", "sglang:cached_tokens_total"
 
 
@@ -166,8 +165,7 @@ class _Level:
 
     def fail(self, exc: BaseException) -> None:
         self.failed += 1
-        if len(self.errors) < _ERRORS_KEPT:
-            self.errors.append(f"{type(exc).__name__}: {exc}"[:300])
+        keep_error(self.errors, exc)
 
 
 def _payload(args, session: Session) -> dict:
@@ -188,7 +186,7 @@ async def _turn(args, http: aiohttp.ClientSession, session: Session, cut: bool, 
         return
     exc = task.exception()
     if exc is not None:
-        if not isinstance(exc, _REQUEST_ERRORS):
+        if not isinstance(exc, REQUEST_ERRORS):
             raise exc
         level.fail(exc)
         return
@@ -231,7 +229,8 @@ async def run_level(args, concurrency: int, agents: list[Session], rng: random.R
     prompt, cached = deltas.get(PROMPT_TOKENS), deltas.get(CACHED_TOKENS)
     return {
         "concurrency": concurrency, "sessions": len(agents), "turns": len(queue),
-        "not_started": len(queue) - position, "served": level.served, "cut": level.cut, "failed": level.failed, "errors": level.errors,
+        "not_started": len(queue) - position, "served": level.served, "cut": level.cut, "failed": level.failed,
+        "errors": level.errors,
         "duration_s": round(elapsed, 3),
         "ttft_p50_s": _pct(level.ttft_s, 0.5), "ttft_p90_s": _pct(level.ttft_s, 0.9),
         "itl_p50_s": statistics.median(level.itl_s) if level.itl_s else None,

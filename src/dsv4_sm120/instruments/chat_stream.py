@@ -8,6 +8,7 @@ connection mid-stream exactly as a killed agent does.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,17 @@ import aiohttp
 
 class ChatError(RuntimeError):
     """The request did not yield a complete reply (HTTP error, bad frame, or a cut stream)."""
+
+
+# What can go wrong on one request: the server's answer, the socket, or our own timeout.
+REQUEST_ERRORS = (ChatError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
+ERRORS_KEPT = 3  # an instrument's record quotes this many of a level's errors
+
+
+def keep_error(examples: list[str], exc: BaseException) -> None:
+    """Quote ``exc`` in ``examples`` while fewer than ``ERRORS_KEPT`` are there."""
+    if len(examples) < ERRORS_KEPT:
+        examples.append(f"{type(exc).__name__}: {exc}"[:300])
 
 
 @dataclass

@@ -23,12 +23,9 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from dsv4_sm120.instruments import common
-from dsv4_sm120.instruments.chat_stream import ChatError, chat
+from dsv4_sm120.instruments.chat_stream import REQUEST_ERRORS, chat, keep_error
 
 HEALTHY, WEDGED, UNHEALTHY_BEFORE = "healthy", "wedged", "unhealthy_before_storm"
-_ERRORS_KEPT = 3
-# What can go wrong on one request: the server's answer, the socket, or our own timeout.
-_REQUEST_ERRORS = (ChatError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,8 +63,7 @@ class _Storm:
 
     def error(self, i: int, exc: BaseException) -> None:
         self.status[i] = "failed"
-        if len(self.errors) < _ERRORS_KEPT:
-            self.errors.append(f"{type(exc).__name__}: {exc}"[:300])
+        keep_error(self.errors, exc)
 
     def count(self, what: str) -> int:
         return sum(1 for v in self.status.values() if v == what)
@@ -119,7 +115,7 @@ async def _storm_session(args, i: int, round_no: int, state: _Storm, delay: floa
                 on_first_chunk=streaming,
             )
             state.status[i] = "finished"
-        except _REQUEST_ERRORS as exc:
+        except REQUEST_ERRORS as exc:
             state.error(i, exc)
 
 
@@ -159,8 +155,7 @@ async def _recover(args, cancelled_at: float) -> dict:
                     recovery_s = time.perf_counter() - cancelled_at
                     break
                 failed += 1
-                if len(errors) < _ERRORS_KEPT:
-                    errors.append(f"{type(exc).__name__}: {exc}"[:300])
+                keep_error(errors, exc)
     finally:
         for task in pending:
             task.cancel()
@@ -216,7 +211,7 @@ async def _run(args) -> dict:
     )
     try:
         record["baseline_probe_s"] = await _probe(args, args.deadline)
-    except _REQUEST_ERRORS as exc:
+    except REQUEST_ERRORS as exc:
         record.update(
             baseline_probe_s=None,
             baseline_error=f"{type(exc).__name__}: {exc}"[:300],

@@ -26,12 +26,10 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from dsv4_sm120.instruments import common
-from dsv4_sm120.instruments.chat_stream import ChatError, ChatReply, chat
+from dsv4_sm120.instruments.chat_stream import REQUEST_ERRORS, ChatReply, chat, keep_error
 from dsv4_sm120.instruments.classify import CONTENT, CORRUPTED, TOOL_CALL, TurnClass, classify
 
 CLEAN, CORRUPT, INCONCLUSIVE = "clean", "corrupted", "inconclusive"
-_REQUEST_ERRORS = (ChatError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
-_ERRORS_KEPT = 3
 
 
 def _tool(name: str, description: str, **params: str) -> dict:
@@ -129,8 +127,7 @@ class _Level:
 
     def error(self, exc: BaseException) -> None:
         self.errors += 1
-        if len(self.error_examples) < _ERRORS_KEPT:
-            self.error_examples.append(f"{type(exc).__name__}: {exc}"[:300])
+        keep_error(self.error_examples, exc)
 
     def report(self, duration_s: float, timed_out: bool) -> dict:
         tool_turns = self.kinds[TOOL_CALL] + self.kinds[CORRUPTED]
@@ -177,7 +174,7 @@ async def _session(args, http: aiohttp.ClientSession, level: _Level, sid: int, s
             }
             try:
                 reply = await asyncio.wait_for(chat(http, base, payload, headers=headers), args.request_timeout)
-            except _REQUEST_ERRORS as exc:
+            except REQUEST_ERRORS as exc:
                 level.error(exc)
                 return  # an agent whose request failed stops this task
             level.add(classify(reply, TOOL_NAMES), sid, turn, args.examples)

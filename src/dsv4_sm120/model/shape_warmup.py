@@ -16,8 +16,8 @@ largest running batch). Each request decodes a few tokens, so decode at that con
 The warmups run inside the window in which sglang's launcher waits for the HTTP app to answer (about 120 s;
 past it the launcher kills the server), so the whole warmup has ``BUDGET_S``: each group may take what is left of
 it (on a cold JIT cache the first group compiles kernels: on an H200 it took over 30 s, so a fixed 30 s per group
-left every shape cold), and a group that does not finish in it stops the warmup, naming the shapes left cold. The longest prompt is bounded by half the KV
-pool the scheduler reported as well as by the context: on an H200 a HiCache server with a 16384-token pool and
+left every shape cold), and a group that does not finish in it stops the warmup, naming the shapes left cold.
+The longest prompt is bounded by half the KV pool the scheduler reported as well as by the context: on an H200 a HiCache server with a 16384-token pool and
 context never scheduled a 16,377-token warmup prompt and never turned healthy. A PD server does not run it:
 its requests wait for a decode peer a warmup does not have (a PD prefill served 1 of 22 in 126 s); warm the
 pair through the router once both are up.
