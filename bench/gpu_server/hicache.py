@@ -34,6 +34,7 @@ import json
 import os
 import random
 import re
+import statistics
 import threading
 import time
 import urllib.parse
@@ -50,7 +51,7 @@ CANCEL_EVERY_S = 0.25
 WAVE_TIMEOUT_S = 120.0  # a wave not answered by then: the server has stalled, and its storm ends there
 # The top-k probe: short enough that a response's selections (rows x 6 C4 layers x 512 int32) stay ~30 MB.
 PROBES, PROBE_PREFIX_TOKENS, SELECTIVE_FROM = 8, 2600, 4 * 512 + 64
-COST_SESSIONS, COST_ROUNDS = 64, 2  # integrity mode's cost: sessions in flight, ABBA rounds
+COST_SESSIONS, COST_ROUNDS = 64, 3  # integrity mode's cost: sessions in flight, ABBA rounds
 # ~10 ms a layer at the H200's ~2 GHz: each layer's load lands well after an eager forward that does not wait
 # for it has read that layer.
 H2D_DELAY_CYCLES = 20_000_000
@@ -306,24 +307,29 @@ def cost_visit(url: str, round_seed: int) -> dict:
 
 
 def cost(servers: dict, on: str, off: str) -> dict:
-    """Integrity mode on vs off, each server alone in turn, ABBA over ``COST_ROUNDS`` rounds."""
+    """Integrity mode on vs off, each server alone in turn, ABBA over ``COST_ROUNDS`` rounds.
+
+    Each server's k-th visit sends the same fresh turns (seed ``700 + k``) as the other's k-th: a visit never
+    finds its own turns cached by an earlier visit, and visit k of one server is held against visit k of the
+    other. The ratios are the median of those per-pair ratios, with their min and max."""
     visits = {on: [], off: []}
     for rnd in range(COST_ROUNDS):
         for name in ((off, on, on, off) if rnd % 2 == 0 else (on, off, off, on)):
-            visits[name].append(cost_visit(servers[name], 700 + rnd))
+            visits[name].append(cost_visit(servers[name], 700 + len(visits[name])))
 
-    def med(name, key):
-        vals = sorted(v[key] for v in visits[name] if v[key] is not None)
-        return {"median": vals[len(vals) // 2], "min": vals[0], "max": vals[-1]} if vals else None
+    def spread(vals):
+        vals = sorted(v for v in vals if v is not None)
+        return {"median": round(statistics.median(vals), 4), "min": vals[0], "max": vals[-1]} if vals else None
 
-    summary = {n: {"output_tok_s": med(n, "output_tok_s"), "ttft_p50_s": med(n, "ttft_p50_s")} for n in visits}
-    try:
-        summary["throughput_on_over_off"] = round(summary[on]["output_tok_s"]["median"]
-                                                  / summary[off]["output_tok_s"]["median"], 4)
-        summary["ttft_p50_on_over_off"] = round(summary[on]["ttft_p50_s"]["median"]
-                                                / summary[off]["ttft_p50_s"]["median"], 4)
-    except (TypeError, ZeroDivisionError):
-        pass
+    def paired(key):
+        return spread([a[key] / b[key] for a, b in zip(visits[on], visits[off]) if a[key] and b[key]])
+
+    summary = {n: {k: spread([v[k] for v in visits[n]]) for k in ("output_tok_s", "ttft_p50_s")} for n in visits}
+    summary["throughput_on_over_off_pairs"] = paired("output_tok_s")
+    summary["ttft_p50_on_over_off_pairs"] = paired("ttft_p50_s")
+    for name, key in (("throughput_on_over_off", "throughput_on_over_off_pairs"),
+                      ("ttft_p50_on_over_off", "ttft_p50_on_over_off_pairs")):
+        summary[name] = (summary[key] or {}).get("median")
     return {"visits": visits, "summary": summary}
 
 

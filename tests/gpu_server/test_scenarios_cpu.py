@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from bench.gpu_server import models, scenarios, traffic
+from bench.gpu_server import hicache, models, scenarios, traffic
 
 
 def _serve(tokens_of, topk_of, stall_after=None, step_s=0.0):
@@ -193,8 +193,6 @@ def test_cost_visits_every_server_in_shuffled_rounds_and_reads_a_profile(monkeyp
 
 def _small_storm(monkeypatch, started: dict, **sizes) -> dict:
     """``hicache.run`` over stand-in servers (name -> (server, url)) with a storm small enough for a CPU."""
-    from bench.gpu_server import hicache
-
     for name, value in {"SESSIONS": 8, "GROUPS": 4, "ROUNDS": 2, "WAVE": 4, "PREFIX_TOKENS": 100,
                         "CANCEL_EVERY_S": 0.01, **sizes}.items():
         monkeypatch.setattr(hicache, name, value)
@@ -235,8 +233,25 @@ def test_hicache_probes_compare_own_forward_selections_and_cost_runs_abba(monkey
     assert unfenced["requests"] == 2 and unfenced["requests_equal"] == 0 and unfenced["rows_equal"] == 0
     assert res["probe_summary"]["eager_off"] == {"requests": 2, "failed_500": 0, "errors": 0}
     cost = res["cost"]
-    assert [len(v) for v in cost["visits"].values()] == [4, 4]
+    assert [len(v) for v in cost["visits"].values()] == [2 * hicache.COST_ROUNDS] * 2
     assert cost["summary"]["throughput_on_over_off"] > 0 and cost["summary"]["ttft_p50_on_over_off"] > 0
+    pairs = cost["summary"]["throughput_on_over_off_pairs"]
+    assert pairs["min"] <= pairs["median"] <= pairs["max"]
+
+
+def test_the_cost_pairs_hold_each_visit_against_the_others_same_fresh_turns(monkeypatch):
+    """ABBA order; the k-th visit of both servers sends the same turns, never a turn an earlier visit cached."""
+    sent = []
+    monkeypatch.setattr(hicache, "cost_visit", lambda url, seed: sent.append((url, seed)) or
+                        {"output_tok_s": 100.0 if url == "on" else 200.0, "ttft_p50_s": 1.0})
+    res = hicache.cost({"on": "on", "off": "off"}, "on", "off")
+    assert [u for u, _ in sent[:8]] == ["off", "on", "on", "off", "on", "off", "off", "on"]
+    for name in ("on", "off"):
+        seeds = [s for u, s in sent if u == name]
+        assert seeds == sorted(set(seeds)) and len(seeds) == 2 * hicache.COST_ROUNDS
+    assert [s for u, s in sent if u == "on"] == [s for u, s in sent if u == "off"]
+    assert res["summary"]["throughput_on_over_off"] == 0.5
+    assert res["summary"]["throughput_on_over_off_pairs"] == {"median": 0.5, "min": 0.5, "max": 0.5}
 
 
 def test_a_server_that_stalls_mid_storm_is_named_and_its_answered_waves_still_compared(monkeypatch):
@@ -254,7 +269,6 @@ def test_the_fault_plugin_is_found_by_sglangs_plugin_group_only_on_its_path():
     import subprocess
     import sys
 
-    from bench.gpu_server import hicache
 
     probe = ("import importlib.metadata as m; "
              "print(sorted(e.name for e in m.entry_points(group='sglang.srt.plugins')))")
