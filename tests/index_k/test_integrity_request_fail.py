@@ -234,3 +234,22 @@ def test_without_the_mode_the_corruption_reaches_the_request_silently(stack):
     assert int((host.device_buffers[CORRUPT_LAYER][21] != backed_up).sum()) == 1
     assert all(req.discard_output_reason is None for req in reqs.values())
     assert COUNTERS == before
+
+
+@pytest.mark.parametrize("stack", [True], indirect=True)
+def test_with_nothing_quarantined_the_scheduler_hooks_read_no_tensor(stack):
+    """Integrity mode on, no page quarantined (every batch but those after a mismatch): the admission hook and
+    the request check of the result hook look at no tensor's values. A batch's fresh slots live on the GPU;
+    reading them here makes the scheduler wait for the forward in flight at every prefill batch."""
+    from types import SimpleNamespace
+
+    from dsv4_sm120.index_k import request_fail
+
+    result, _, _ = stack
+    batch = _batch(result, {"a": [20, 21], "b": [22]}, fresh_pages=[30, 31])
+    plan = SimpleNamespace(batch_to_run=batch)
+    scheduler = SimpleNamespace(tree_cache=None, chunked_req=None, _pending_chunked_abort_req=None)
+    with test_integrity._NoHostSync():
+        assert request_fail.get_new_batch_prefill(lambda *a, **k: plan, scheduler) is plan
+        assert request_fail.fail_affected_requests(batch) == []
+    assert all(req.discard_output_reason is None for req in batch.reqs)
