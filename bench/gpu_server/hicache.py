@@ -51,7 +51,8 @@ CANCEL_EVERY_S = 0.25
 WAVE_TIMEOUT_S = 120.0  # a wave not answered by then: the server has stalled, and its storm ends there
 # The top-k probe: short enough that a response's selections (rows x 6 C4 layers x 512 int32) stay ~30 MB.
 PROBES, PROBE_PREFIX_TOKENS, SELECTIVE_FROM = 8, 2600, 4 * 512 + 64
-COST_SESSIONS, COST_ROUNDS = 64, 3  # integrity mode's cost: sessions in flight, ABBA rounds
+# integrity mode's cost: sessions in flight, ABBA rounds (env DSV4_GPU_COST_ROUNDS)
+COST_SESSIONS, COST_ROUNDS = 64, int(os.environ.get("DSV4_GPU_COST_ROUNDS", "3"))
 # ~10 ms a layer at the H200's ~2 GHz: each layer's load lands well after an eager forward that does not wait
 # for it has read that layer.
 H2D_DELAY_CYCLES = 20_000_000
