@@ -45,7 +45,7 @@ Timing is bench/indexer_h200.py's: each kernel's launches in one CUDA graph over
 configuration is checked on the first draw against the float64 reference (rel err, top-512, nothing
 written past a length), and the candidates also on ragged lengths at two widths.
 
-    PYTHONPATH=src COMMIT=$(git rev-parse HEAD) python bench/decode_latency_h200.py --tilelang PATH/tilelang_kernel.py
+    PYTHONPATH=src COMMIT=$(git rev-parse HEAD) python -m bench.decode_latency_h200 --tilelang PATH/tilelang_kernel.py
 
 writes bench/results/kernels/indexer_h200_2026-12-01_tiny_<commit>.json (or $OUT_JSON). ``--warm N`` compiles every
 kernel first in N processes (Triton's and TileLang's caches are shared on disk); ``--dry-cpu`` runs tiny
@@ -57,20 +57,18 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _gpu_common as g  # noqa: E402  (also puts src/ on sys.path)
-import indexer_h200 as ih  # noqa: E402
-import read_floor_h200 as rf  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import torch
+import triton
+import triton.language as tl
 
-from dsv4_sm120.kernels import mqa_logits as ml  # noqa: E402
-from dsv4_sm120.kernels._common import interpreting  # noqa: E402
+from bench import _gpu_common as g
+from bench import indexer_h200 as ih
+from bench import read_floor_h200 as rf
+from dsv4_sm120.kernels import mqa_logits as ml
+from dsv4_sm120.kernels._common import interpreting
 
 PAGE, D, H, TOPK = ih.PAGE, ih.D, ih.H, ih.TOPK
 WIDTH = ih.CAPTURE_WIDTH

@@ -10,19 +10,15 @@ with nothing written at or past a row's length.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from helpers import check_logits, logits_case
+from tests.kernels.helpers import check_logits, logits_case
 
 
 @pytest.fixture(scope="module")
 def bench(kern):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    import decode_latency_h200
+    from bench import decode_latency_h200
 
     return decode_latency_h200
 
