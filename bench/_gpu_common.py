@@ -1,20 +1,22 @@
-"""Helpers shared by the H200 benches: ceilings, timing, run metadata. torch + triton only."""
+"""Helpers shared by the H200 benches: ceilings, timing, run metadata. torch + triton only.
+
+The benches import ``dsv4_sm120`` as Python finds it: the installed package, or this checkout's with
+``PYTHONPATH=src`` (how bench/README.md runs them, from the repository root as ``python -m bench.NAME``).
+"""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-import run_record  # noqa: E402 - bench/ is this script folder's own path entry
 import torch
 import triton
 import triton.language as tl
 from triton.testing import do_bench
 
+from bench import run_record
+
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO / "src") not in sys.path:
-    sys.path.insert(0, str(REPO / "src"))
 
 
 _DRY = {"on": False}

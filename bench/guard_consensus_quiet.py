@@ -34,9 +34,11 @@ What one iteration does, on one gloo group of ``tp`` processes over 127.0.0.1:
 Rounds run the kinds in rotating order in the same processes after a warm-up of each;
 per round the slowest rank's time per iteration counts (collectives make ranks wait for each
 other); figures are medians over rounds. It does NOT run sglang's loop, a scheduler, a model or a
-serving workload: only the guard's collectives against the collectives they sit between.
+serving workload: only the guard's collectives against the collectives they sit between. It imports
+only the guard's torch-only modules (no sglang, no plugin registration), so a checkout with
+``PYTHONPATH=src`` runs it where the package is not installed, from the repository root:
 
-    python bench/guard_consensus_quiet.py --out bench/results/guard/guard_quiet_h200host_$(date -u +%F).json
+    PYTHONPATH=src python -m bench.guard_consensus_quiet --out bench/results/guard/guard_quiet_h200host_$(date -u +%F).json
 """
 
 from __future__ import annotations
@@ -54,10 +56,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-ROOT = Path(__file__).resolve().parents[1]
-# Only the guard's torch-only modules are imported (no sglang, no plugin registration).
-sys.path.insert(0, str(ROOT / "src"))
-import run_record  # noqa: E402 - bench/ is this script's own folder on sys.path
+from bench import run_record
 
 
 def broadcast_pyobj(data: list, rank: int, group, src: int = 0) -> list:

@@ -13,7 +13,7 @@ guard's agreements per iteration, ``second_agreement_us`` (also ``us_inside_batc
 the second agreement alone (medians over ranks; both include waiting for the slowest rank). Not a test: CPU-only figures,
 machine noise included.
 
-    .venv/bin/python bench/guard_cpu.py --out bench/results/guard/guard_cpu_$(date -u +%F).json
+    .venv/bin/python -m bench.guard_cpu --out bench/results/guard/guard_cpu_$(date -u +%F).json
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "guard"))
-import run_record  # noqa: E402 - bench/ is this script's own folder on sys.path
+from bench import run_record
 
 
 def main() -> int:
@@ -40,7 +38,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
-    import pd_loop_harness as h
+    from tests.guard import pd_loop_harness as h
 
     load_start = os.getloadavg()
 

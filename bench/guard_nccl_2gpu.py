@@ -31,7 +31,7 @@ recorder; ``--kill-s``: ends the rank). ``--backend gloo`` runs all of it with t
 gloo, on a CPU: a stand-in for the NCCL run, labelled so in its JSON, never the NCCL result.
 
 Here (CPU; the JSON committed as the gloo stand-in):
-    .venv/bin/python bench/guard_nccl_2gpu.py --backend gloo \\
+    .venv/bin/python -m bench.guard_nccl_2gpu --backend gloo \\
         --out bench/results/guard/guard_nccl_cpu-gloo-standin_$(date -u +%F).json
 
 On a host with two GPUs (two H200s of one host were the target) whose image has torch 2.11 / python 3.12,
@@ -55,7 +55,7 @@ no sglang, pyzmq or flashinfer, and no network. On a networked machine, at the c
          && tar xJf .devcarry/topk/pin_site.tar.xz -C $S && python3 -m pip install -q --no-index \\
          --no-deps --no-compile --no-cache-dir --target $S .devcarry/topk/wheels/*.whl \\
          .devcarry/guard_nccl/wheels/*.whl && export PYTHONPATH=$S:$PWD/src:$PYTHONPATH \\
-         && nvidia-smi -L && python3 bench/guard_nccl_2gpu.py --backend nccl --standins \\
+         && nvidia-smi -L && python3 -m bench.guard_nccl_2gpu --backend nccl --standins \\
          --commit COMMIT --out $OUT/guard_nccl_$(date -u +%F).json 2>&1 | tee $OUT/guard_nccl.log
 
      then commit the JSON (and the log) under ``bench/results/guard/``. ``--standins`` serves
@@ -87,23 +87,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests" / "guard"), str(ROOT / "tests")]
-import run_record  # noqa: E402 - bench/ is this script's own folder on sys.path
+from bench import run_record
+from tests.kernels import topk_standins
+
 STANDINS_ENV = "DSV4_GUARD_BENCH_STANDINS"  # the stand-ins a --standins run installed, for its spawned ranks
 GUARD_SWITCH = "DSV4_SM120_COLLECTIVE_GUARD"
 NEVER_STOOD_IN = ("sglang", "dsv4_sm120", "torch", "zmq")  # the harness runs these for real
 
-
-def _topk_standins():
-    sys.path.insert(0, str(ROOT / "tests" / "kernels"))
-    import topk_standins
-
-    return topk_standins
-
-
 if os.environ.get(STANDINS_ENV):  # a spawned rank of a --standins run: the same stand-ins as its parent
-    _topk_standins().install_missing(tuple(os.environ[STANDINS_ENV].split(",")))
+    topk_standins.install_missing(tuple(os.environ[STANDINS_ENV].split(",")))
 
 
 def _import_chain() -> None:
@@ -120,7 +112,6 @@ def _import_chain() -> None:
 
 def standins_for_missing() -> list[str]:
     """Stand in ``sgl_kernel``/``deep_gemm`` when missing, then whatever else the chain's import misses."""
-    topk_standins = _topk_standins()
     named = list(topk_standins.install_missing())
     for _ in range(30):
         try:
@@ -170,7 +161,7 @@ def _fatal_frame(faulthandler_text: str) -> str | None:
         return None
     import re
 
-    import pd_loop_harness as h
+    from tests.guard import pd_loop_harness as h
 
     for block in faulthandler_text.split("\n\n"):
         if "_run_loop" in block:  # innermost first; torch's frames and the trace's wrapper skipped
@@ -229,7 +220,7 @@ def scenario_row(case, res: dict, seed: int, world: int, guard_on: bool, seconds
 # ---- (a), (b), (c) ---------------------------------------------------------------------------------
 def cases(only: str | None = None) -> list[tuple[str, str, str]]:
     """Every (loop, point, kind) of ``pd_loop_harness.POINTS``, or those ``--cases`` names."""
-    import pd_loop_harness as h
+    from tests.guard import pd_loop_harness as h
 
     every = [(loop, point, kind) for loop, points in h.POINTS.items() for point, kinds in points.items()
              for kind in kinds]
@@ -238,7 +229,7 @@ def cases(only: str | None = None) -> list[tuple[str, str, str]]:
 
 def guard_off(args, forward, watch) -> list[dict]:
     """One fresh group per scenario (a hang ends the group), ``--parallel`` groups at a time."""
-    import pd_loop_harness as h
+    from tests.guard import pd_loop_harness as h
 
     def one(case):
         started = time.monotonic()
@@ -259,7 +250,7 @@ def guard_off(args, forward, watch) -> list[dict]:
 def guard_on(args, forward, watch) -> list[dict]:
     """Every scenario in one group; a group stops at its first scenario that does not reconcile, and
     the scenarios after it go on in a fresh group."""
-    import pd_loop_harness as h
+    from tests.guard import pd_loop_harness as h
 
     todo, rows = list(enumerate(cases(args.cases))), []
     while todo:
@@ -285,7 +276,7 @@ def guard_on(args, forward, watch) -> list[dict]:
 
 def cost(args, forward, watch) -> dict:
     """Alternating guard-off / guard-on rounds of a steady decode scenario, one group, in one run."""
-    import pd_loop_harness as h
+    from tests.guard import pd_loop_harness as h
 
     jobs = []
     for _ in range(args.rounds):
@@ -373,7 +364,7 @@ def main() -> int:
     args.parallel = args.parallel or (4 if args.backend == "nccl" else 1)
     parts = set(args.parts.split(","))
 
-    import pd_loop_harness as h
+    from tests.guard import pd_loop_harness as h
 
     os.environ.update(h.MULTICAST_OFF)  # this process too, and every rank it starts (rank_env)
     standins = standins_for_missing() if args.standins else []

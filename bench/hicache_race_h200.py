@@ -24,7 +24,7 @@ Finally the copy bandwidth of bf16 pages against pinned memcpy, and the checksum
 overhead against the copy it guards, all in the same run. Writes
 bench/results/hicache/hicache_race_h200_<date>.json (or $OUT_JSON).
 
-    PYTHONPATH=src COMMIT=$(git rev-parse HEAD) python bench/hicache_race_h200.py
+    PYTHONPATH=src COMMIT=$(git rev-parse HEAD) python -m bench.hicache_race_h200
 """
 
 from __future__ import annotations
@@ -33,16 +33,14 @@ import argparse
 import datetime
 import os
 import random
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _gpu_common as g  # noqa: E402
-import torch  # noqa: E402
+import torch
 
-from dsv4_sm120.kernels.mqa_logits import bf16_paged_mqa_logits  # noqa: E402
-from dsv4_sm120.kernels.page_checksum import page_checksum, page_checksum_ref  # noqa: E402
-from dsv4_sm120.kernels.page_copy import copy_pages  # noqa: E402
+from bench import _gpu_common as g
+from dsv4_sm120.kernels.mqa_logits import bf16_paged_mqa_logits
+from dsv4_sm120.kernels.page_checksum import page_checksum, page_checksum_ref
+from dsv4_sm120.kernels.page_copy import copy_pages
 
 SLOTS, D = 64, 128
 PAGE_BYTES = SLOTS * D * 2

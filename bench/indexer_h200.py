@@ -10,7 +10,7 @@ target-verify, ``fp8_mqa_logits`` on the request's gathered keys for prefill (``
 each is called). It writes bench/results/kernels/indexer_h200_<date>.json (or $OUT_JSON); without a peer its
 columns are None and the JSON says why.
 
-    PYTHONPATH=src COMMIT=$(git rev-parse HEAD) python bench/indexer_h200.py --tilelang PATH/tilelang_kernel.py \
+    PYTHONPATH=src COMMIT=$(git rev-parse HEAD) python -m bench.indexer_h200 --tilelang PATH/tilelang_kernel.py \
         [--deepgemm DEST]   # --deepgemm-warm first compiles its kernels
 
 DEST is a DeepGEMM build as ``bench/build_deepgemm_device.sh build`` made it (that script is at commit 6f9738b,
@@ -36,7 +36,7 @@ direct launch writes what Triton's own dispatch writes. The last lines (VERDICT)
 logits call adds against issue 24's 20 us bar. ``--eager-only`` runs only these (under a minute on the H200)
 and writes bench/results/indexer_h200_eager_<date>.json (or $OUT_JSON):
 
-    PYTHONPATH=src COMMIT=$(git rev-parse HEAD) python bench/indexer_h200.py --eager-only
+    PYTHONPATH=src COMMIT=$(git rev-parse HEAD) python -m bench.indexer_h200 --eager-only
 
 On a GPU host set up from the bundle (``. env.sh``), keep its packages first: ``PYTHONPATH=src:$PYTHONPATH``
 (``PYTHONPATH=src`` alone times the host image's torch and Triton instead of the pin's).
@@ -62,15 +62,14 @@ import time
 import types
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _gpu_common as g  # noqa: E402  (also puts src/ on sys.path)
-import torch  # noqa: E402
+import torch
 
-from dsv4_sm120.kernels.index_k_store import store_index_k_bf16, store_index_k_bf16_ref  # noqa: E402
-from dsv4_sm120.kernels.index_query import index_query_bf16, index_query_bf16_ref  # noqa: E402
-from dsv4_sm120.kernels import launch as kernel_launch  # noqa: E402
-from dsv4_sm120.kernels import mqa_logits  # noqa: E402
-from dsv4_sm120.kernels.mqa_logits import bf16_paged_mqa_logits, decode_splits, paged_mqa_logits_ref  # noqa: E402
+from bench import _gpu_common as g
+from dsv4_sm120.kernels import launch as kernel_launch
+from dsv4_sm120.kernels import mqa_logits
+from dsv4_sm120.kernels.index_k_store import store_index_k_bf16, store_index_k_bf16_ref
+from dsv4_sm120.kernels.index_query import index_query_bf16, index_query_bf16_ref
+from dsv4_sm120.kernels.mqa_logits import bf16_paged_mqa_logits, decode_splits, paged_mqa_logits_ref
 
 H, D, PAGE, TOPK = 64, 128, 64, 512
 CAPTURE_WIDTH = 262144  # a 1M-token context: upstream's decode logits width is the capture width
@@ -151,12 +150,18 @@ def load_deepgemm(build: str | None):
     """DeepGEMM as built by bench/build_deepgemm_device.sh at commit 6f9738b (``build`` holds deep_gemm/), or (None, why not)."""
     if not build:
         return None, "no --deepgemm build given (bench/build_deepgemm_device.sh at commit 6f9738b built one on the GPU host)"
-    sys.path.insert(0, str(Path(build).resolve()))
+    # Imported from that folder by a spec for its package, not by adding the folder to the import path:
+    # nothing else there (csrc/, fmt/, the host headers) becomes importable, and no other deep_gemm answers.
+    package = Path(build).resolve() / "deep_gemm"
+    spec = importlib.util.spec_from_file_location("deep_gemm", package / "__init__.py",
+                                                  submodule_search_locations=[str(package)])
+    deep_gemm = importlib.util.module_from_spec(spec)
+    sys.modules["deep_gemm"] = deep_gemm  # where its relative imports (``from . import _C``) look for it
     try:
-        import deep_gemm
-
+        spec.loader.exec_module(deep_gemm)
         return deep_gemm, None
     except Exception as exc:  # reported in the JSON: the run goes on without the column
+        sys.modules.pop("deep_gemm", None)
         return None, f"{type(exc).__name__}: {exc}"
 
 
@@ -1038,7 +1043,8 @@ def warm_deepgemm(build):
         by_aligned.setdefault(math.ceil(r / 32), r)
     specs = [f"paged:{rows[0]}"] + [f"schedule:{r}" for r in by_aligned.values() if r != rows[0]] + ["ragged:256"]
     t0 = datetime.datetime.now()
-    procs = {spec: subprocess.Popen([sys.executable, __file__, "--deepgemm", build, "--deepgemm-warm-one", spec])
+    procs = {spec: subprocess.Popen([sys.executable, "-m", "bench.indexer_h200", "--deepgemm", build,
+                                        "--deepgemm-warm-one", spec])
              for spec in specs}
     codes = {spec: proc.wait() for spec, proc in procs.items()}
     print(f"deepgemm warm-up {codes} in {(datetime.datetime.now() - t0).total_seconds():.0f} s", flush=True)

@@ -1,6 +1,7 @@
 """Session-wide test setup, done before any test module imports sglang or Triton.
 
-- The tests directory is importable (tiny_checkpoints, polling, area harnesses).
+- The tests directory is a package and the repository root is on pytest's path (``pythonpath`` in
+  pyproject.toml), so harness modules import by full name (``from tests import polling``).
 - torch runs single-threaded: several suites fork gloo ranks from the pytest process, and a
   child forked after the parent has used a multi-threaded OpenMP pool hangs in its first
   parallel torch op (seen on the full suite: a forked rank stuck in ``index_copy_``).
@@ -11,14 +12,8 @@
 """
 
 import os
-import sys
-from pathlib import Path
 
 import torch
-
-TESTS_DIR = Path(__file__).resolve().parent
-if str(TESTS_DIR) not in sys.path:
-    sys.path.insert(0, str(TESTS_DIR))
 
 torch.set_num_threads(1)
 if not torch.cuda.is_available():

@@ -1,7 +1,7 @@
 """``python -m bench.gpu_server.compose``: issue 24's one record of a GPU host, (a) to (f), from the runs that measured them.
 
 The scenarios run as separate sets (``run serve`` for a, b, e and f on the tiny checkpoint, ``run cost`` for c on
-``flash12``, ``bench/indexer_h200.py --eager-only`` for d), each writing its own JSON with its date, device,
+``flash12``, ``python -m bench.indexer_h200 --eager-only`` for d), each writing its own JSON with its date, device,
 commit and versions. This puts their figures side by side with each one's source file and provenance, and
 holds each against its bar: c decode step <= 1.03x and prefill <= 1.05x of upstream's TileLang fp8 path, d an
 eager call adds <= 20 us of host time, e a package server's first request of a shape <= 2x its steady state.

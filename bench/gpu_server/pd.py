@@ -3,7 +3,7 @@
 Why: the CPU end-to-end suite (``tests/e2e``) puts real sglang PD servers through an abort storm, hostile frames at
 the prefill's bootstrap socket and a decode killed mid-storm, but with a tiny Llama in host memory: no DeepSeek-V4
 forward, no bf16 index-K pages, no GPU memory registered with NIXL. This set runs the same scenarios, through the
-same code (``storm.py``, ``hostile.py``, ``decode_kill.py``, ``checks.py``, loaded from ``tests/e2e``), against
+same code (``storm.py``, ``hostile.py``, ``decode_kill.py``, ``checks.py`` of ``tests/e2e``), against
 ``--model-impl dsv4`` servers of the ``tiny`` checkpoint on one GPU, whose KV and index-K pages NIXL moves between
 GPU buffers over UCX.
 
@@ -49,10 +49,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.gpu_server.servers import ServerSpec, Started, e2e, free_port, launch_line, processes, start, wait_healthy
-
-checks, cluster, decode_kill, hostile, storm, tiny_model = (
-    e2e(name) for name in ("checks", "cluster", "decode_kill", "hostile", "storm", "tiny_model"))
+from bench.gpu_server.servers import ServerSpec, Started, free_port, launch_line, processes, start, wait_healthy
+from tests.e2e import checks, cluster, decode_kill, hostile, storm, tiny_model
 
 CLI = [sys.executable, "-m", "dsv4_sm120.cli"]  # dsv4-sm120: the bundle carries the package, not its console script
 PROMPT_WORDS = 700  # ~2,700 tokens in DeepSeek-V4's chat encoding with the tokenizer below

@@ -16,14 +16,13 @@ run adds beyond that is here, in :data:`BASE_ENV` and :func:`ServerSpec.argv`, w
   whose clients are the CPU end-to-end suite's chat clients).
 
 Processes are started and stopped through ``tests/e2e/servers.py`` (free loopback ports, own session,
-bounded start and stop by PID, logs kept), the same code the CPU end-to-end suite uses. It and its
-siblings are loaded from their folder (:func:`e2e`), so that a package named ``tests``, ``servers`` or
-``checks`` installed on a GPU host's image cannot stand in for them.
+bounded start and stop by PID, logs kept), the same code the CPU end-to-end suite uses, imported by its
+full name: ``python -m bench.gpu_server`` from the repository root puts the checkout first on the path,
+so a package named ``tests`` on a GPU host's image cannot stand in for the suite's.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import time
@@ -31,24 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-E2E_DIR = Path(__file__).resolve().parents[2] / "tests" / "e2e"
+from tests.e2e import servers as processes
 
-
-def e2e(name: str):
-    """The CPU end-to-end suite's module ``tests/e2e/<name>.py``, imported under its own name as that suite
-    imports it (its siblings import each other as ``servers``, ``checks``, ...), from that folder only."""
-    sys.path.insert(0, str(E2E_DIR))
-    try:
-        module = importlib.import_module(name)
-    finally:
-        sys.path.remove(str(E2E_DIR))
-    if Path(module.__file__).resolve().parent != E2E_DIR:
-        raise ImportError(f"{name!r} is {module.__file__}, not the e2e suite's {E2E_DIR / name}.py: "
-                          f"a module of that name was imported before")
-    return module
-
-
-processes = e2e("servers")
 LOOPBACK, Proc, free_port, log_tail = processes.LOOPBACK, processes.Proc, processes.free_port, processes.log_tail
 
 BASE_ENV = {

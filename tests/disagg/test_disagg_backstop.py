@@ -9,7 +9,7 @@ raises (no real frame makes the pin's handler raise today, which is why it is a 
 
 from __future__ import annotations
 
-from polling import wait_until
+from tests.polling import wait_until
 
 
 def test_an_upstream_handler_error_on_a_registered_peers_frame_is_refused_and_the_thread_serves_on(

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from dsv4_sm120.instruments.nixl_loopback import FOREIGN_FRAME
-from polling import wait_until
+from tests.polling import wait_until
 
 KV_SUCCESS = 4  # KVPoll.Success
 KV_FAILED = 0

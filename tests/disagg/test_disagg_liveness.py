@@ -6,7 +6,7 @@ import threading
 from types import SimpleNamespace
 
 from dsv4_sm120.disagg import liveness
-from polling import wait_until
+from tests.polling import wait_until
 
 HEALTH = SimpleNamespace(rid="HEALTH_CHECK_dsv4_test")
 

@@ -18,19 +18,15 @@ session in its report; the logs stay under the session's temporary folder.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-E2E_DIR = Path(__file__).resolve().parent
-if str(E2E_DIR) not in sys.path:
-    sys.path.insert(0, str(E2E_DIR))
+from tests.e2e import cluster as cluster_mod
+from tests.e2e import environment, results
+from tests.e2e.servers import log_tail
 
-import cluster as cluster_mod  # noqa: E402
-import environment  # noqa: E402
-import results  # noqa: E402
-from servers import log_tail  # noqa: E402
+E2E_DIR = Path(__file__).resolve().parent
 
 _STARTED: dict[str, object] = {}  # cluster key -> Cluster, or the exception that stopped its start
 _ROOT: list[Path] = []
@@ -66,7 +62,7 @@ def e2e_env(tmp_path_factory) -> environment.E2EEnv:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from tiny_model import write_tiny_llama
+    from tests.e2e.tiny_model import write_tiny_llama
 
     return write_tiny_llama(_root(tmp_path_factory) / "tiny-llama")
 

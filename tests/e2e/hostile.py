@@ -17,10 +17,9 @@ import time
 import numpy as np
 import zmq
 
-import checks
-import scrape
-from servers import LOOPBACK, http
-from traffic import Traffic, burst
+from tests.e2e import checks, scrape
+from tests.e2e.servers import LOOPBACK, http
+from tests.e2e.traffic import Traffic, burst
 
 # Seconds of chats through the front before the frames, and after them before the chats stop.
 TRAFFIC_BEFORE_S, TRAFFIC_AFTER_S = 2.0, 3.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from servers import http
+from tests.e2e.servers import http
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 
-import checks
-from cluster import chat
+from tests.e2e import checks
+from tests.e2e.cluster import chat
 
 SESSIONS, ROUNDS = 80, 3
 # storm-client's options on the CPU sets (2 shared cores): short prompts, a generous recovery deadline

@@ -14,10 +14,9 @@ import socket
 import time
 from urllib.parse import urlparse
 
-import checks
-import results
-from cluster import chat
-from servers import http
+from tests.e2e import checks, results
+from tests.e2e.cluster import chat
+from tests.e2e.servers import http
 
 
 def _chat_body(**extra) -> dict:

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import random
 
-import checks
-import results
-import hostile
+from tests.e2e import checks, hostile, results
 
 EXPECTED_REJECTS = {  # reason label -> at least this many (per rank)
     "unknown tag": 2,

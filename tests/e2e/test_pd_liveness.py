@@ -16,10 +16,9 @@ import time
 
 import pytest
 
-import checks
-import results
-from cluster import chat
-from servers import http
+from tests.e2e import checks, results
+from tests.e2e.cluster import chat
+from tests.e2e.servers import http
 
 HEALTH_TIMEOUT_S = 10
 ROUTER_ARGS = ["--health-check-interval-secs", "5", "--health-failure-threshold", "2", "--health-check-timeout-secs", "5"]

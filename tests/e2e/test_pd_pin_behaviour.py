@@ -16,10 +16,9 @@ import time
 
 import pytest
 
-import checks
-import hostile
-from storm import run_and_check
-from traffic import burst
+from tests.e2e import checks, hostile
+from tests.e2e.storm import run_and_check
+from tests.e2e.traffic import burst
 
 KEY = "pd-tp1-hardening-off"
 OFF = {"DSV4_SM120_NIXL_HARDENING": "0"}

@@ -17,11 +17,9 @@ import time
 
 import pytest
 
-import checks
-import results
-import scrape
-from cluster import chat
-from traffic import burst
+from tests.e2e import checks, results, scrape
+from tests.e2e.cluster import chat
+from tests.e2e.traffic import burst
 
 
 def _inject_and_send(c, fault_dir, role: str) -> tuple[int, bytes, str, float]:

@@ -6,7 +6,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from cluster import chat
+from tests.e2e.cluster import chat
 
 
 class Traffic:

@@ -2,15 +2,20 @@
 
 Why: the README is an operator's front page and docs/ holds the evidence behind it. A result file moved
 or renamed, a switch added to settings.py or a collector added to metrics.py must fail here, not leave a
-document citing nothing or silent about a knob. Pure text checks plus two modules of the package
-(``settings``, ``metrics``) that import no sglang, so this runs in well under a second.
+document citing nothing or silent about a knob. Pure text checks (and git, for a path cited as it was at a
+commit) plus two modules of the package (``settings``, ``metrics``) that import no sglang, so this runs in
+well under a second.
 """
 
 from __future__ import annotations
 
 import itertools
 import re
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from dsv4_sm120 import metrics, settings
 
@@ -22,6 +27,8 @@ RESULTS = REPO / "bench" / "results"
 
 # A repository path as the documents write it: from a top-level folder, not inside another path.
 PATH = re.compile(r"(?<![\w./$-])((?:src|tests|bench|docs|patches|\.ci)/[\w./*{},<>$-]*)")
+# "git show 11c877e:bench/decode_latency_h200.py": a path as it was at a commit, in history and not the tree.
+AT_COMMIT = re.compile(r"(?<![\w./-])([0-9a-f]{7,40}):((?:src|tests|bench|docs|patches|\.ci)/[\w./-]*[\w/])")
 # "..._tune_59e42b1.json": a result file named by its tail, next to a full path of the same family.
 TAIL = re.compile(r"\.\.\._([\w.*-]+\.(?:json|txt|log))")
 # Run outputs a document describes but the repository does not hold: a user's own serving runs.
@@ -50,8 +57,8 @@ def _exists(pattern: str) -> bool:
 
 
 def cited_paths(text: str) -> set[str]:
-    """Every repository path a document cites, braces expanded."""
-    return {p for raw in PATH.findall(text) for p in _expand(raw)
+    """Every repository path a document cites in the tree, braces expanded."""
+    return {p for raw in PATH.findall(AT_COMMIT.sub("", text)) for p in _expand(raw)
             if not p.startswith(WRITTEN_AT_RUN_TIME) and p.rstrip("/") not in {"bench/results", ""}}
 
 
@@ -59,6 +66,20 @@ def test_every_cited_path_exists():
     missing = [f"{doc.relative_to(REPO)}: {p}" for doc in _cited_docs() for p in sorted(cited_paths(doc.read_text()))
                if not _exists(p)]
     assert not missing, "cited but not in the repository:\n" + "\n".join(missing)
+
+
+def _in_git(obj: str) -> bool:
+    return subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", obj], capture_output=True).returncode == 0
+
+
+def test_every_path_cited_at_a_commit_is_there():
+    """Where the checkout holds the commit (a shallow clone may not), the path was in it."""
+    if shutil.which("git") is None:
+        pytest.skip("no git here to read history with")
+    missing = [f"{doc.relative_to(REPO)}: {commit}:{path}" for doc in _cited_docs()
+               for commit, path in sorted(set(AT_COMMIT.findall(doc.read_text())))
+               if _in_git(f"{commit}^{{commit}}") and not _in_git(f"{commit}:{path}")]
+    assert not missing, "cited at a commit that does not hold it:\n" + "\n".join(missing)
 
 
 def test_every_result_file_named_by_its_tail_exists():

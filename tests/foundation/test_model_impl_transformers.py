@@ -19,13 +19,11 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-from tiny_checkpoints import write_tiny_dsv4, write_tiny_dsv41, write_tiny_llama
-
-INDEX_K_DIR = Path(__file__).resolve().parents[1] / "index_k"
+from tests.child_env import repo_on_path
+from tests.tiny_checkpoints import write_tiny_dsv4, write_tiny_dsv41, write_tiny_llama
 
 PROBE = textwrap.dedent(
     """
@@ -44,14 +42,13 @@ PROBE = textwrap.dedent(
                     "impl": str(config._resolved_model_impl)}
         except Exception as exc:
             return {"error": type(exc).__name__, "message": str(exc)}
-    index_k_dir, llama, dsv4, dsv41 = sys.argv[1:5]
+    llama, dsv4, dsv41 = sys.argv[1:4]
     out = {"patched": sorted(HookRegistry._patched)}
     out.update({name: arch(path) for name, path in (("llama", llama), ("dsv4", dsv4), ("dsv41", dsv41))})
     os.environ["DSV4_SM120_INDEX_K_DTYPE"] = "fp16"  # a bad value: only a dsv4 run may stop on it
     out["dsv4_bad_switch"] = arch(dsv4)
     del os.environ["DSV4_SM120_INDEX_K_DTYPE"]
-    sys.path[:0] = [index_k_dir, str(Path(index_k_dir).parent)]
-    import pool_harness
+    from tests.index_k import pool_harness
     result = pool_harness.build(Path(dsv4), "transformers")
     kv = result.token_to_kv_pool
     out["pool"] = {"class": type(kv).__qualname__, "index_pool": type(kv.c4_indexer_kv_pool).__qualname__,
@@ -67,8 +64,8 @@ MODEL_TARGET = "sglang.srt.model_loader.utils.get_model_architecture"
 def _probe(args: list[str], **env: str) -> dict:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_PLUGINS", "DSV4_SM120_"))}
     full_env.update(env)
-    proc = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=full_env,
-                          timeout=400)
+    proc = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True,
+                          env=repo_on_path(full_env), timeout=400)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     return json.loads(lines[-1][len("PROBE"):])
@@ -77,8 +74,7 @@ def _probe(args: list[str], **env: str) -> dict:
 @pytest.fixture(scope="module")
 def probes(tmp_path_factory) -> tuple[dict, dict]:
     root = tmp_path_factory.mktemp("ckpt")
-    args = [str(INDEX_K_DIR), str(write_tiny_llama(root / "llama")), str(write_tiny_dsv4(root / "dsv4")),
-            str(write_tiny_dsv41(root / "dsv41"))]
+    args = [str(write_tiny_llama(root / "llama")), str(write_tiny_dsv4(root / "dsv4")), str(write_tiny_dsv41(root / "dsv41"))]
     return _probe(args), _probe(args, SGLANG_PLUGINS="some_other_plugin")
 
 

@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from tiny_checkpoints import write_tiny_dsv4, write_tiny_llama
+from tests.tiny_checkpoints import write_tiny_dsv4, write_tiny_llama
 
 PROBE = textwrap.dedent(
     """

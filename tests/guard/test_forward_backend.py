@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-import pd_loop_harness as H
+from tests.guard import pd_loop_harness as H
 
 SCHEDULER = "scheduler gloo (TP CPU group)"
 FORWARD = "forward gloo"

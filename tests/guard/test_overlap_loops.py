@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-import pd_loop_harness as H
+from tests.guard import pd_loop_harness as H
 
 GUARD_MSG = "dsv4-sm120 collective guard"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-import pool_harness
-from pool_harness import HICACHE_RATIO, SLOTS_PER_FULL_PAGE
+from tests.index_k import pool_harness
+from tests.index_k.pool_harness import HICACHE_RATIO, SLOTS_PER_FULL_PAGE
 
 
 @pytest.fixture(scope="session")

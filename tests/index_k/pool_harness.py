@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from tiny_checkpoints import write_tiny_dsv4
+from tests.tiny_checkpoints import write_tiny_dsv4
 
 BUDGET_BYTES = 64 << 20
 NUM_LAYERS = 4

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import cpu_page_mover
-from pool_harness import HICACHE_RATIO, SLOTS_PER_FULL_PAGE
+from tests.index_k import cpu_page_mover
+from tests.index_k.pool_harness import HICACHE_RATIO, SLOTS_PER_FULL_PAGE
 
 
 def index_host(built):

@@ -15,9 +15,9 @@ import logging
 import pytest
 import torch
 
-import cpu_page_mover
-from pool_harness import SLOTS_PER_FULL_PAGE
-from test_hicache import index_host, round_trip
+from tests.index_k import cpu_page_mover
+from tests.index_k.pool_harness import SLOTS_PER_FULL_PAGE
+from tests.index_k.test_hicache import index_host, round_trip
 
 COPY_OPS = ("transfer_kv_per_layer_mla", "transfer_kv_per_layer_mla_pf_lf")
 

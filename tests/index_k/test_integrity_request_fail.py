@@ -21,10 +21,9 @@ from array import array
 import pytest
 import torch
 
-import cpu_page_mover
-import test_integrity
-from pool_harness import SLOTS_PER_FULL_PAGE
-from test_hicache import index_host
+from tests.index_k import cpu_page_mover, test_integrity
+from tests.index_k.pool_harness import SLOTS_PER_FULL_PAGE
+from tests.index_k.test_hicache import index_host
 
 HOST_PAGES = [6, 7, 8]
 BACKED_UP_FROM = [10, 11, 12]

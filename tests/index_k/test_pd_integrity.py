@@ -214,7 +214,7 @@ def test_malformed_frame_fails_the_room_and_the_listener_lives_on(pd, sides):
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.common.conn import KVTransferError
 
-    from polling import wait_until
+    from tests.polling import wait_until
 
     sides(True, True)
     before = _counters()

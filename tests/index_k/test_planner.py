@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import pool_harness
+from tests.index_k import pool_harness
 
 PAGE = 256
 C4_LAYER_COUNT = 2  # tiny checkpoint: compress ratios [4, 128, 4, 128]

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dsv4_sm120 import cli
-from tiny_checkpoints import write_tiny_dsv4, write_tiny_dsv41
+from tests.tiny_checkpoints import write_tiny_dsv4, write_tiny_dsv41
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import pool_harness
-from test_pd import _decode_manager, prefill_route  # noqa: F401 - the fixture is used below
-from tiny_checkpoints import DSV41_COMPRESS_RATIOS, write_tiny_dsv41
+from tests.index_k import pool_harness
+from tests.index_k.test_pd import _decode_manager, prefill_route  # noqa: F401 - the fixture is used below
+from tests.tiny_checkpoints import DSV41_COMPRESS_RATIOS, write_tiny_dsv41
 
 BUDGET = 128 << 20
 LAYERS = len(DSV41_COMPRESS_RATIOS)

@@ -17,19 +17,17 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-TESTS_DIR = Path(__file__).resolve().parents[1]
+from tests.child_env import repo_on_path
 
 PROBE = textwrap.dedent(
     """
-    import json, os, sys, tempfile
+    import json, os, tempfile
     from pathlib import Path
-    sys.path[:0] = [sys.argv[1] + "/kernels", sys.argv[1]]
-    import model_build
-    from tiny_checkpoints import write_tiny_dsv41
+    from tests.kernels import model_build
+    from tests.tiny_checkpoints import write_tiny_dsv41
     model_build._stand_in_vllm_ops()
     from sglang.srt.distributed import parallel_state
 
@@ -66,8 +64,8 @@ V41 = ("model.layers.1.self_attn.indexer", "model.layers.3.self_attn.indexer")  
 @pytest.fixture(scope="module")
 def models() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_SM120_")}
-    proc = subprocess.run([sys.executable, "-c", PROBE, str(TESTS_DIR)], capture_output=True, text=True,
-                          env=env, timeout=500)
+    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=repo_on_path(env),
+                          timeout=500)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(lines[-1][len("RESULT "):])

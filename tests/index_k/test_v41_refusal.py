@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from tiny_checkpoints import write_tiny_dsv4, write_tiny_dsv41
+from tests.tiny_checkpoints import write_tiny_dsv4, write_tiny_dsv41
 
 PROBE = textwrap.dedent(
     """

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from fake_openai_server import FakeServer, serve
+from tests.instruments.fake_openai_server import FakeServer, serve
 
 
 @pytest.fixture(scope="module")

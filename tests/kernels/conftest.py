@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -29,8 +27,7 @@ def kern() -> SimpleNamespace:
 @pytest.fixture(scope="session")
 def kv(tmp_path_factory, kern):
     """The real DSV4 pool with bf16 index keys, built on the CPU by the memory area's harness."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "index_k"))
-    import pool_harness
+    from tests.index_k import pool_harness
 
     pool_harness.apply_index_k_hooks()
     ckpt = pool_harness.tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))

@@ -1,6 +1,7 @@
 """Build ``DeepseekV4ForCausalLMSM120`` through upstream's real ``__init__`` on the CPU and report what it built.
 
-Run as a script in a fresh interpreter (tests/kernels/test_model_build.py does): it publishes a real
+Run in a fresh interpreter as ``python -m tests.kernels.model_build`` with the repository root on
+``PYTHONPATH`` (tests/kernels/test_model_build.py does): it publishes a real
 CPU ``ServerArgs`` with sglang's ``runtime_context.publish``, builds real gloo process groups of one
 rank with sglang's ``init_distributed_environment`` / ``initialize_model_parallel``, reads a real
 ``ModelConfig`` from a tiny DeepSeek-V4 ``config.json`` (tests/tiny_checkpoints.py, plus the keys a
@@ -25,10 +26,7 @@ import traceback
 import types
 from pathlib import Path
 
-TESTS_DIR = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(TESTS_DIR))
-
-from tiny_checkpoints import write_tiny_dsv4  # noqa: E402
+from tests.tiny_checkpoints import write_tiny_dsv4
 
 # Keys a released DeepSeek-V4 config.json has that the tiny config leaves out; values are the
 # released model's where they are a choice of algorithm, small where they size something.

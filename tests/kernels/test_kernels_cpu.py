@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import D, PAGE, check_logits, compress_plan, decode_plan, freqs_cis, heavy_tailed, logits_case, topk_sets
+from tests.kernels.helpers import D, PAGE, check_logits, compress_plan, decode_plan, freqs_cis, heavy_tailed, logits_case, topk_sets
 
 
 def _gen(seed=0):

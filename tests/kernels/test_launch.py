@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import harness_result, logits_case
+from tests.kernels.helpers import harness_result, logits_case
 
 HARNESS = Path(__file__).with_name("launch_run.py")
 # index_query_out and mqa_logits_bound: the calls as the model makes them, into a forward's shared buffers

@@ -13,17 +13,17 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-HARNESS = Path(__file__).with_name("model_build.py")
+from tests.child_env import repo_on_path
 
 
 @pytest.fixture(scope="module")
 def built() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_SM120_")}
-    proc = subprocess.run([sys.executable, str(HARNESS)], env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "tests.kernels.model_build"], env=repo_on_path(env),
+                          capture_output=True, text=True, timeout=900)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, f"model build harness failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
     return json.loads(line[len("RESULT "):])

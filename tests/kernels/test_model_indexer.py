@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import D, PAGE, decode_plan, freqs_cis
+from tests.kernels.helpers import D, PAGE, decode_plan, freqs_cis
 
 C4_LAYER = 0
 HEADS = 16

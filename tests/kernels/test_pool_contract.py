@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from helpers import D, PAGE, freqs_cis
+from tests.kernels.helpers import D, PAGE, freqs_cis
 
 C4_LAYER = 0  # tiny checkpoint: compress ratios [4, 128, 4, 128]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import harness_result
+from tests.kernels.helpers import harness_result
 
 HARNESS = Path(__file__).with_name("specialization_run.py")
 

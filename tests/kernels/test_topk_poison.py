@@ -41,7 +41,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import logits_case
+from tests.kernels.helpers import logits_case
 
 LENS = [1, 200, 512, 513, 900, 2000]
 WIDTH = 4096
@@ -139,7 +139,7 @@ def cpu_kind(request, monkeypatch):
 @pytest.fixture
 def cuda_kind(request, monkeypatch):
     """A backend with the pin's CUDA kernels; stand-ins only for what cannot load (see the module doc)."""
-    import topk_standins
+    from tests.kernels import topk_standins
 
     topk_standins.install_missing()
     from sglang.srt.environ import envs

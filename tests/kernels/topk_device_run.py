@@ -1,7 +1,7 @@
 """The device run of the top-k poison tests: a header (device, versions, each JIT compile's time), then pytest.
 
-Run by ``bench/topk_poison_h200.sh device`` (at commit b8292e6, removed since; git history keeps it) on a
-fresh machine with empty JIT caches, so each time below
+Run from the repository root as ``python -m tests.kernels.topk_device_run`` (``bench/topk_poison_h200.sh device``,
+at commit b8292e6 and removed since, ran it by path) on a fresh machine with empty JIT caches, so each time below
 is a cold compile of one of sglang's top-k modules (nvcc through sglang's own ninja build), then the
 ``gpu`` tests of ``test_topk_poison.py`` in this same process (one import of the chain, not two; the
 tests reuse the loaded modules). v1 builds beside the occupancy probe and v2 (which needs the probe's
@@ -21,10 +21,9 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from tests.kernels import topk_standins
 
-import topk_standins  # noqa: E402
+TESTS = Path(__file__).with_name("test_topk_poison.py")
 
 
 def timed(label: str, build) -> str:
@@ -72,4 +71,4 @@ def header() -> None:
 if __name__ == "__main__":
     header()
     print("--- pytest", flush=True)
-    sys.exit(pytest.main(["-v", "-p", "no:cacheprovider", "-m", "gpu", str(HERE / "test_topk_poison.py")]))
+    sys.exit(pytest.main(["-v", "-p", "no:cacheprovider", "-m", "gpu", str(TESTS)]))

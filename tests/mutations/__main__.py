@@ -10,12 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import mutation_engine as engine  # noqa: E402
-from mutation_catalog import MUTATIONS  # noqa: E402
+from tests.mutations import mutation_engine as engine
+from tests.mutations.mutation_catalog import MUTATIONS
 
 
 def main(argv=None) -> int:

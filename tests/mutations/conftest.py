@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import mutation_engine  # noqa: E402
+from tests.mutations import mutation_engine
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -9,7 +9,7 @@ an item of issue 17's audit.
 
 from __future__ import annotations
 
-from mutation_engine import Edit, Mutation
+from tests.mutations.mutation_engine import Edit, Mutation
 
 M = Mutation
 E = Edit

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-import mutation_engine as engine
-from mutation_catalog import MUTATIONS
+from tests.mutations import mutation_engine as engine
+from tests.mutations.mutation_catalog import MUTATIONS
 
 pytestmark = [pytest.mark.mutations, pytest.mark.timeout(900)]
 

@@ -4,8 +4,8 @@ Each pytest process of this suite spends 10-25 s importing torch and sglang befo
 first test. Forty mutations would spend most of CI's mutation budget on imports, so this
 process imports the heavy *third-party* modules once (torch, pytest and the sglang modules
 the listed tests use) and forks a child per job. It never imports ``dsv4_sm120``: a child
-finds the package in its mutated copy (``<copy>/src`` first on ``sys.path`` and on
-``PYTHONPATH`` for anything it spawns), and reports which file each ``dsv4_sm120`` module
+finds the package and the suite in its mutated copy (``<copy>/src`` and ``<copy>`` first on the
+import path, and on ``PYTHONPATH`` for anything it spawns), and reports which file each ``dsv4_sm120`` module
 came from so the runner can check that the mutated code is the code that ran.
 
 It is started as a script (``python tests/mutations/zygote.py``), never imported by the
@@ -94,6 +94,7 @@ def _child(job: dict) -> None:
     root = job["root"]
     src = os.path.join(root, "src")
     os.chdir(root)
+    # This process's purpose: a child that imports the mutated copy's package and suite, never the checkout's.
     sys.path[:] = [src, root] + [p for p in sys.path if p not in ("", _OWN_DIR)]
     os.environ["PYTHONPATH"] = os.pathsep.join([src, root])
     os.environ.update(job.get("env") or {})
