@@ -16,7 +16,7 @@ from triton.testing import do_bench
 
 from bench import run_record
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = run_record.REPO
 
 
 _DRY = {"on": False}

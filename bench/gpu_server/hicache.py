@@ -326,11 +326,9 @@ def cost(servers: dict, on: str, off: str) -> dict:
         return spread([a[key] / b[key] for a, b in zip(visits[on], visits[off]) if a[key] and b[key]])
 
     summary = {n: {k: spread([v[k] for v in visits[n]]) for k in ("output_tok_s", "ttft_p50_s")} for n in visits}
-    summary["throughput_on_over_off_pairs"] = paired("output_tok_s")
-    summary["ttft_p50_on_over_off_pairs"] = paired("ttft_p50_s")
-    for name, key in (("throughput_on_over_off", "throughput_on_over_off_pairs"),
-                      ("ttft_p50_on_over_off", "ttft_p50_on_over_off_pairs")):
-        summary[name] = (summary[key] or {}).get("median")
+    for name, key in (("throughput_on_over_off", "output_tok_s"), ("ttft_p50_on_over_off", "ttft_p50_s")):
+        pairs = summary[f"{name}_pairs"] = paired(key)
+        summary[name] = pairs["median"] if pairs else None
     return {"visits": visits, "summary": summary}
 
 

@@ -269,7 +269,6 @@ def test_the_fault_plugin_is_found_by_sglangs_plugin_group_only_on_its_path():
     import subprocess
     import sys
 
-
     probe = ("import importlib.metadata as m; "
              "print(sorted(e.name for e in m.entry_points(group='sglang.srt.plugins')))")
     env = {**os.environ, "PYTHONPATH": f"{hicache.FAULTS_DIR}:{os.environ.get('PYTHONPATH', '')}"}

@@ -4,9 +4,9 @@ Nothing here writes to the checkout. The working tree (tracked files plus untrac
 git does not ignore, as they are now) is copied once into a temporary directory; each
 mutation gets its own copy of that copy, its edits are applied there, and only its listed
 tests run, in a child of the fork server (:mod:`zygote`) with the copy's ``src``, then its root
-(the suite's ``tests`` package), first on the import path and ``PYTHONPATH``. A mutation is *caught* when at least one listed test fails
-(or the tests run past the mutation's time limit: a hang is a failure in CI); it *survives*
-when all listed tests pass. A mutation whose text is no longer in the source is an error
+(the suite's ``tests`` package), first on the import path and ``PYTHONPATH``. A mutation is
+*caught* when at least one listed test fails (or the tests run past the mutation's time limit:
+a hang is a failure in CI); it *survives* when all listed tests pass. A mutation whose text is no longer in the source is an error
 that names it: the source drifted and the catalog must follow.
 """
 

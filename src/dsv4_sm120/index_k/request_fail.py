@@ -66,12 +66,10 @@ def _local_findings(batch) -> list[list[CorruptPage]]:
     With nothing quarantined (every batch but those after a mismatch) no tensor is read: a batch's freshly
     allocated slots (``out_cache_loc``) sit on the GPU, and reading them in the admission hook made the host
     wait, at every prefill batch, for the forward the overlap scheduler had in flight."""
+    if QUARANTINE.pages and batch.out_cache_loc is not None:
+        QUARANTINE.clear(_pages(batch.out_cache_loc))
     if not QUARANTINE.pages:
         return [[] for _ in batch.reqs]
-    if batch.out_cache_loc is not None:
-        QUARANTINE.clear(_pages(batch.out_cache_loc))
-        if not QUARANTINE.pages:
-            return [[] for _ in batch.reqs]
     rows = batch.req_to_token_pool.req_to_token
     row_of = batch.req_pool_indices_cpu if batch.req_pool_indices_cpu is not None else batch.req_pool_indices
     findings = []
