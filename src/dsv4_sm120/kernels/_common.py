@@ -19,15 +19,19 @@ import triton.language as tl
 
 @triton.jit
 def hadamard_128(x):
-    """x [BLOCK, 128] fp32 -> x @ H / sqrt(128), exact fp32 products (IEEE dot)."""
-    i = tl.arange(0, 128)[:, None]
-    j = tl.arange(0, 128)[None, :]
-    bits = i & j
-    parity = bits & 1
-    for b in tl.static_range(1, 7):
-        parity = parity ^ ((bits >> b) & 1)
-    h = (1 - 2 * parity).to(tl.float32) * 0.08838834764831845  # 1/sqrt(128)
-    return tl.dot(x, h, input_precision="tf32x3")
+    """x [BLOCK, 128] fp32 -> x @ H / sqrt(128) by the fast Walsh-Hadamard transform.
+
+    Stage s pairs the elements whose indices differ only in bit s, (a, b) -> (a + b, a - b): after the
+    seven stages element j holds sum_i x_i (-1)^popcount(i & j), the Sylvester product. Adds only, in fp32,
+    in registers: no 128 x 128 matrix is built per program (the matrix and its tf32x3 product made the
+    bf16 key store and query kernels several times slower than upstream's fused ones on an H200).
+    """
+    BLOCK: tl.constexpr = x.shape[0]
+    for s in tl.static_range(7):
+        y = tl.permute(tl.reshape(x, (BLOCK, 64 >> s, 2, 1 << s)), (0, 1, 3, 2))  # the pair's axis last
+        a, b = tl.split(y)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BLOCK, 128))
+    return x * 0.08838834764831845  # 1/sqrt(128)
 
 
 @triton.jit
