@@ -77,6 +77,15 @@ def test_logits_uses_tensor_cores(compiled):
 
 
 @pytest.mark.parametrize("target", ["sm_90", "sm_120"])
+def test_the_key_store_and_query_rotate_by_adds_not_a_matrix_product(compiled, target):
+    """The 128-point Hadamard of the bf16 key store and query is butterflies of adds: a matrix product (the
+    128 x 128 matrix built per program, tf32x3) made both kernels several times slower than upstream's on an
+    H200."""
+    for name in ("index_k_store[mode=1]", "index_query"):
+        assert not compiled[target][name]["mma"], f"{name} issues a matrix product for {target}"
+
+
+@pytest.mark.parametrize("target", ["sm_90", "sm_120"])
 def test_shared_memory_fits_the_target(compiled, target):
     from dsv4_sm120.kernels.aot import SMEM_PER_BLOCK
 

@@ -194,6 +194,12 @@ MUTATIONS: tuple[Mutation, ...] = (
       (E(INDEX_K + "request_fail.py", "    if batch is None or not QUARANTINE.active:\n        return plan",
          "    if True:\n        return plan"),),
       ("tests/index_k/test_integrity_request_fail.py::test_the_corrupt_page_is_not_served_again",)),
+    M("hadamard-as-a-matrix-product",
+      "bf16 indexer speed: the key store and query rotate by butterflies, not a tf32x3 product",
+      (E("src/dsv4_sm120/kernels/_common.py", "    return x * 0.08838834764831845  # 1/sqrt(128)",
+         "    h = tl.zeros((128, 128), tl.float32) + 0.08838834764831845\n"
+         "    return tl.dot(x, h, input_precision=\"tf32x3\") * 0.0 + x * 0.08838834764831845"),),
+      ("tests/kernels/test_aot_compile.py::test_the_key_store_and_query_rotate_by_adds_not_a_matrix_product",)),
     M("admission-reads-fresh-slots-with-nothing-quarantined",
       "fix 2: with nothing quarantined the scheduler hooks read no tensor (no wait for the forward in flight)",
       (E(INDEX_K + "request_fail.py", "    if QUARANTINE.pages and batch.out_cache_loc is not None:",
