@@ -271,6 +271,26 @@ def test_no_host_synchronization_in_the_copy_path_or_the_indexer_read(stacks, mo
     assert read(host, slot) == []  # the verdicts, read where the scheduler processes the result
 
 
+def test_a_load_is_checked_with_one_launch_a_layer_and_its_indices_moved_once(stacks, monkeypatch):
+    """The read's host work: upstream hands every layer's copy the same index tensors, so they are moved to
+    the reader's device once per load, and each layer's check is one ledger call (one launch on a GPU)."""
+    from dsv4_sm120.index_k import integrity
+    from dsv4_sm120.kernels import page_ledger
+
+    host, device_pool = _backed_up(stacks, monkeypatch)
+    moved, checks = [], []
+    real_move, real_check = integrity.on_device, page_ledger.check_pages
+    monkeypatch.setattr(integrity, "on_device", lambda *a: moved.append(a) or real_move(*a))
+    monkeypatch.setattr(page_ledger, "check_pages", lambda *a, **k: checks.append(a) or real_check(*a, **k))
+    slot = _ledger(host).counter.update_producer()
+    host_slots, device_slots = _slots([6, 7, 8]), _slots([20, 21, 22])
+    for layer in range(host.layer_num):
+        host.load_to_device_per_layer(device_pool, host_slots, device_slots, layer, "kernel")
+    assert read(host, slot) == []
+    assert len(checks) == host.layer_num
+    assert len(moved) == 2  # the device and the host indices, once
+
+
 def test_without_the_mode_the_same_corruption_passes_silently(stacks, monkeypatch):
     """The control: checksum off, the planted byte lands in the device page unnoticed."""
     result, built, _ = stacks("layer_first", checksum=False)

@@ -315,6 +315,58 @@ def test_checksum_on_cpu_uses_the_reference(kern):
         kern.page_checksum.page_checksum(rows.float())
 
 
+def _ledger_state(g, layers=3, host_pages=12):
+    expected = torch.randint(-(1 << 62), 1 << 62, (layers, host_pages), dtype=torch.int64, generator=g)
+    recorded = torch.randint(0, 2, (layers, host_pages), dtype=torch.uint8, generator=g)
+    verified = torch.randint(0, 2, (layers, host_pages), dtype=torch.uint8, generator=g)
+    return expected, recorded, verified
+
+
+def test_ledger_record_and_check_kernels_match_their_references(kern):
+    """Record at backup, then the read's report (a page as backed up, one changed, one never recorded, one
+    verified before): the Triton kernels and the torch references agree on the report and the ledger state."""
+    ledger = kern.page_ledger
+    g = _gen(14)
+    rows = torch.randint(0, 256, (9, 16384), dtype=torch.uint8, generator=g)
+    base = _ledger_state(g)
+    base[1][1, 11] = 0  # host page 11: never backed up
+    states = [tuple(t.clone() for t in base) for _ in range(2)]
+    for kernel, (expected, recorded, verified) in zip((True, False), states):
+        ledger.record_pages(rows, torch.tensor([2, 5, 7]), torch.tensor([1, 4, 9]), expected, recorded, verified, 1,
+                            kernel=kernel)
+    assert all(torch.equal(a, b) for a, b in zip(*states))
+    assert states[0][1][1, [1, 4, 9]].tolist() == [1, 1, 1] and states[0][2][1, [1, 4, 9]].tolist() == [0, 0, 0]
+    rows[5, 100] ^= 0x10  # host page 4's device page changed after its backup
+    spp = 4
+    device = cpu_slots([2, 5, 7, 3], spp)
+    host = cpu_slots([1, 4, 9, 11], spp)
+    reports = [ledger.check_pages(rows, device, host, spp, *state, 1, kernel=kernel)
+               for kernel, state in zip((True, False), states)]
+    assert torch.equal(reports[0], reports[1])
+    assert all(torch.equal(a, b) for a, b in zip(*states))
+    verdicts = reports[0][:, 2].tolist()
+    assert verdicts[:3] == [0, 1, 0] and reports[0][:, :2].tolist()[:3] == [[1, 2], [4, 5], [9, 7]]
+    assert reports[0][:3, 3].tolist() == [1, 1, 1]  # just recorded: their first check
+    assert verdicts[3] == 2 and reports[0][3, 3] == 0  # no checksum on record: not a check
+
+
+def cpu_slots(pages, spp):
+    return (torch.tensor(pages)[:, None] * spp + torch.arange(spp)).flatten()
+
+
+def test_ledger_key_kernels_match_their_references_and_find_a_lost_key(kern):
+    ledger = kern.page_ledger
+    g = _gen(15)
+    keys = torch.randint(0, 256, (64 * 4, 256), dtype=torch.uint8, generator=g)
+    slots = torch.tensor([3, -1, 70, 200, 201])
+    sums = ledger.key_sums(keys, slots, kernel=True)
+    assert torch.equal(sums, ledger.key_sums(keys, slots, kernel=False))
+    keys[200, 7] ^= 0x01  # a load landed on slot 200's page (page 3) after the store
+    lost = ledger.lost_keys(keys, slots, sums, 64, kernel=True)
+    assert torch.equal(lost, ledger.lost_keys(keys, slots, sums, 64, kernel=False))
+    assert lost.tolist() == [-1, -2, -1, 3, -1]
+
+
 def test_page_copy_kernel_matches_ref(kern):
     g = _gen(13)
     src = torch.randn(6, PAGE, D, generator=g).to(torch.bfloat16)

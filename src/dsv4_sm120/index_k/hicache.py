@@ -73,10 +73,11 @@ def _host_pool_class():
             # A transfer that is not whole pages goes straight to upstream, which refuses it (page_aligned_only).
             if (self.index_k_ledger is not None and self._has_transfer_indices(host_indices, device_indices)
                     and host_indices.numel() % self.slot_page_size == 0):
-                host_pages = self._to_page_indices(host_indices)
+                ledger = self.index_k_ledger
+                host_pages = integrity.on_device(ledger.device, self._to_page_indices(host_indices))
                 device_pages = integrity.on_device(self.device_buffers[0].device, self._to_page_indices(device_indices))
                 for layer, rows in enumerate(self.device_buffers):
-                    self.index_k_ledger.record(layer, host_pages, rows.index_select(0, device_pages))
+                    ledger.record(layer, host_pages, rows, device_pages)
             return super().backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
 
         def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend,

@@ -33,8 +33,8 @@ distinct pages) and ``page_rechecks`` (the same content loaded and checked again
 loaded with no checksum on record (backed up before integrity mode recorded them) are
 ``pages_unrecorded`` and never counted as checked.
 
-The checksum is the kernels area's ``page_checksum`` (Triton on CUDA, its torch reference
-elsewhere).
+The checksum is the kernels area's ``page_checksum``; record, check and the key-write check are one
+launch each (``kernels.page_ledger``: Triton on CUDA, its torch references elsewhere).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4_sm120 import metrics
-from dsv4_sm120.kernels.page_checksum import page_checksum
+from dsv4_sm120.kernels import page_ledger
 
 logger = logging.getLogger("dsv4_sm120.index_k.integrity")
 
@@ -60,7 +60,7 @@ COUNTERS = {"pages_recorded": 0, "page_checks": 0, "pages_verified": 0, "page_re
 LEDGER = None  # the process's PageLedger once an integrity-mode index-K host mirror is built
 
 OK, MISMATCH, UNRECORDED = 0, 1, 2  # a read row's verdict
-WRITES = -1  # the host page of a report's write row: (WRITES, first device page lost, keys lost, keys checked)
+WRITES = -1  # the host page of a lost key write's CorruptPage
 SLOT_BYTES = 256  # one compressed bf16 key: a row of the page-row buffer seen as [num_pages * 64, 256]
 
 
@@ -107,13 +107,25 @@ def sample_gauges() -> dict:
     return {"index_k_pages_quarantined": len(QUARANTINE.pages)}
 
 
-@dataclass
 class _Load:
-    """One layer of one HiCache load: upstream's token indices, turned into pages at the read."""
+    """One HiCache load's token indices as upstream passes them to every layer's copy, and their copies on the
+    GPU, made at the load's first read and reused by its other layers' reads on the same stream."""
 
-    host_indices: torch.Tensor
-    device_indices: torch.Tensor
-    slots_per_page: int
+    def __init__(self, host_indices: torch.Tensor, device_indices: torch.Tensor, slots_per_page: int):
+        self.host_indices, self.device_indices, self.slots_per_page = host_indices, device_indices, slots_per_page
+        self.on_gpu: dict = {}  # (device, stream) -> (device indices, host indices) there
+
+    def indices_on(self, device: torch.device, host_device: torch.device) -> tuple:
+        """(device indices, host indices) where the reader's stream reads them, copied without a host wait."""
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        key = (device, stream)
+        if key not in self.on_gpu:
+            pair = on_device(device, self.device_indices), on_device(host_device, self.host_indices)
+            for indices in pair:
+                if indices.device.type == "cuda":  # upstream may free its index tensors before this stream reads
+                    indices.record_stream(torch.cuda.current_stream(indices.device))
+            self.on_gpu[key] = pair
+        return self.on_gpu[key]
 
 
 @dataclass
@@ -126,11 +138,13 @@ class _Writes:
 
 @dataclass
 class _Report:
-    """One layer's verdicts, on their way to the host: rows (host page, device page, verdict, first check)."""
+    """One layer's verdicts on their way to the host: reads [pages, 4] (host page, device page, verdict, first
+    check) or, for ``writes``, one value per stored key (:func:`~dsv4_sm120.kernels.page_ledger.lost_keys`)."""
 
     layer: int
     rows: torch.Tensor
     landed: object  # a CUDA event recorded behind the copy, None off CUDA
+    writes: bool = False
 
 
 def on_device(device: torch.device, indices: torch.Tensor) -> torch.Tensor:
@@ -140,11 +154,6 @@ def on_device(device: torch.device, indices: torch.Tensor) -> torch.Tensor:
     if device.type == "cuda" and indices.device.type == "cpu":
         return indices.pin_memory().to(device, non_blocking=True)
     return indices.to(device)
-
-
-def _pages(indices: torch.Tensor, slots_per_page: int) -> torch.Tensor:
-    """Page numbers of whole-page token indices, as upstream's host pool derives them."""
-    return indices.reshape(-1, slots_per_page)[:, 0].long() // slots_per_page
 
 
 class PageLedger:
@@ -158,9 +167,10 @@ class PageLedger:
         self.pool_name = pool_name
         self.kvcache = kvcache  # the device KV pool whose load fence the readers take
         self.expected = torch.zeros(num_layers, num_host_pages, dtype=torch.int64, device=self.device)
-        self.recorded = torch.zeros(num_layers, num_host_pages, dtype=torch.bool, device=self.device)
-        self.verified = torch.zeros(num_layers, num_host_pages, dtype=torch.bool, device=self.device)
+        self.recorded = torch.zeros(num_layers, num_host_pages, dtype=torch.uint8, device=self.device)
+        self.verified = torch.zeros(num_layers, num_host_pages, dtype=torch.uint8, device=self.device)
         self.loads: dict[int, dict[int, list[_Load]]] = {}  # producer slot -> layer -> loads
+        self.latest: dict[int, _Load] = {}  # producer slot -> its latest load (the one its next layers share)
         self.writes: dict[int, dict[int, list[_Writes]]] = {}  # consumer slot -> layer -> key stores
         self.reports: dict[int, list[_Report]] = {}  # consumer slot -> verdicts in flight
 
@@ -174,48 +184,42 @@ class PageLedger:
         return getattr(self.kvcache, "layer_transfer_counter", None)
 
     # --- backup (HiCache's device-to-host stream) ---------------------------------------------
-    def record(self, layer: int, host_pages: torch.Tensor, device_rows: torch.Tensor) -> None:
-        """Checksum the device page rows about to be backed up into ``host_pages``."""
-        host_pages = on_device(self.device, host_pages)
-        self.expected[layer, host_pages] = page_checksum(device_rows)
-        self.recorded[layer, host_pages] = True
-        self.verified[layer, host_pages] = False  # new content: its first check is a distinct page again
+    def record(self, layer: int, host_pages: torch.Tensor, rows: torch.Tensor, device_pages: torch.Tensor) -> None:
+        """Checksum the page rows ``rows[device_pages]`` about to be backed up into ``host_pages`` (both page
+        numbers on the ledger's device)."""
+        page_ledger.record_pages(rows, device_pages, host_pages, self.expected, self.recorded, self.verified, layer)
         count("pages_recorded", int(host_pages.numel()))
 
     # --- load (inside upstream's per-layer load) ----------------------------------------------
     def note_load(self, layer: int, host_indices: torch.Tensor, device_indices: torch.Tensor,
                   slots_per_page: int) -> None:
-        """Note one layer's load for the forward that consumes it; issues no GPU work."""
+        """Note one layer's load for the forward that consumes it; issues no GPU work. Upstream passes one
+        load's index tensors to every layer's copy: the layers share one :class:`_Load`."""
         counter = self.counter
         slot = counter.producer_index if counter is not None else 0
-        self.loads.setdefault(slot, {}).setdefault(layer, []).append(_Load(host_indices, device_indices, slots_per_page))
+        load = self.latest.get(slot)
+        if load is None or load.host_indices is not host_indices or load.device_indices is not device_indices:
+            load = self.latest[slot] = _Load(host_indices, device_indices, slots_per_page)
+        self.loads.setdefault(slot, {}).setdefault(layer, []).append(load)
 
     # --- read (the C4 indexer's stream, just before its logits kernel) ------------------------
     def check_reads(self, layer: int, rows: torch.Tensor) -> None:
         """Compare this layer's pages loaded for the running forward with their backups, as they are now.
 
-        ``rows`` is the layer's uint8 page-row buffer [num_pages, 16384]. Queues GPU work and one
-        non-blocking copy of the verdicts; never waits.
+        ``rows`` is the layer's uint8 page-row buffer [num_pages, 16384]. Queues one launch per load (and
+        one per key store) and a non-blocking copy of each verdict; never waits.
         """
         slot = self._consumer(rows)
         if slot < 0:
             return
         for writes in self.writes.get(slot, {}).pop(layer, []):
-            self.reports.setdefault(slot, []).append(self._to_host(layer, self._writes_row(writes, rows)))
+            keys = rows.view(-1, SLOT_BYTES)
+            lost = page_ledger.lost_keys(keys, writes.slots, writes.sums, keys.shape[0] // rows.shape[0])
+            self.reports.setdefault(slot, []).append(self._to_host(layer, lost, writes=True))
         for load in self.loads.get(slot, {}).pop(layer, []):
-            device_indices = on_device(rows.device, load.device_indices)
-            host_indices = on_device(self.device, load.host_indices)
-            for indices in (device_indices, host_indices):
-                if indices.device.type == "cuda":  # upstream may free its index tensors before this stream reads
-                    indices.record_stream(torch.cuda.current_stream(indices.device))
-            host_pages = _pages(host_indices, load.slots_per_page)
-            device_pages = _pages(device_indices, load.slots_per_page)
-            sums = page_checksum(rows.index_select(0, device_pages))
-            recorded = self.recorded[layer, host_pages]
-            verdict = torch.where(recorded, (sums != self.expected[layer, host_pages]).long(), UNRECORDED)
-            first = recorded & ~self.verified[layer, host_pages]
-            self.verified[layer, host_pages] = self.verified[layer, host_pages] | recorded
-            report = torch.stack([host_pages, device_pages, verdict, first.long()], 1)
+            device_indices, host_indices = load.indices_on(rows.device, self.device)
+            report = page_ledger.check_pages(rows, device_indices, host_indices, load.slots_per_page, self.expected,
+                                             self.recorded, self.verified, layer)
             self.reports.setdefault(slot, []).append(self._to_host(layer, report))
 
     def _consumer(self, rows: torch.Tensor) -> int:
@@ -233,28 +237,18 @@ class PageLedger:
         slot = self._consumer(rows)
         if slot < 0 or not slots.numel():
             return
-        keys = rows.view(-1, SLOT_BYTES)
-        sums = page_checksum(keys.index_select(0, slots.clamp(min=0)))
+        sums = page_ledger.key_sums(rows.view(-1, SLOT_BYTES), slots)
         self.writes.setdefault(slot, {}).setdefault(layer, []).append(_Writes(slots, sums))
 
     @staticmethod
-    def _writes_row(writes: _Writes, rows: torch.Tensor) -> torch.Tensor:
-        keys = rows.view(-1, SLOT_BYTES)
-        valid = writes.slots >= 0
-        lost = (page_checksum(keys.index_select(0, writes.slots.clamp(min=0))) != writes.sums) & valid
-        pages = torch.where(lost, writes.slots // (keys.shape[0] // rows.shape[0]), torch.iinfo(torch.int64).max)
-        first = torch.where(lost.any(), pages.min(), -1)
-        return torch.stack([torch.full_like(first, WRITES), first, lost.sum(), valid.sum()]).view(1, 4)
-
-    @staticmethod
-    def _to_host(layer: int, report: torch.Tensor) -> _Report:
+    def _to_host(layer: int, report: torch.Tensor, writes: bool = False) -> _Report:
         if report.device.type != "cuda":
-            return _Report(layer, report.clone(), None)
+            return _Report(layer, report.clone(), None, writes)
         rows = torch.empty(report.shape, dtype=report.dtype, pin_memory=True)
         rows.copy_(report, non_blocking=True)
         landed = torch.cuda.Event()
         landed.record()
-        return _Report(layer, rows, landed)
+        return _Report(layer, rows, landed, writes)
 
     # --- verdict (the scheduler, processing the result of the forward that read the pages) ----
     def collect(self, slot: int) -> list[CorruptPage]:
@@ -262,37 +256,39 @@ class PageLedger:
 
         Called after upstream waited for that forward's outputs, which come after every verdict on
         its stream, so each copy has landed; one that has not (a forward on another stream) is waited
-        for here, in the result processing, never in the copy path or the forward.
+        for here, in the result processing, never in the copy path or the forward. The reports are read
+        as arrays (a forward that loads checks thousands of page rows).
         """
         found: list[CorruptPage] = []
         self.loads.pop(slot, None)  # the forward is done: what it did not read (no C4 layer ran) is dropped
+        self.latest.pop(slot, None)
         self.writes.pop(slot, None)
         for report in self.reports.pop(slot, []):
             if report.landed is not None and not report.landed.query():
                 report.landed.synchronize()
-            rows = report.rows.tolist()
-            if rows and rows[0][0] == WRITES:
-                _, device_page, lost, checked = rows[0]
-                count("key_writes_checked", checked)
-                if lost:
-                    count("key_writes_lost", lost)
+            rows = report.rows.numpy()
+            if report.writes:
+                lost = rows[rows >= 0]
+                count("key_writes_checked", int((rows != page_ledger.NO_SLOT).sum()))
+                if lost.size:
+                    count("key_writes_lost", int(lost.size))
                     logger.error("index-K key write lost: layer=%d device_page=%d and %d key(s) in all changed "
                                  "between their store and the C4 indexer's read (a load landed on them)",
-                                 report.layer, device_page, lost)
-                    found.append(CorruptPage(self.pool_name, report.layer, WRITES, device_page))
+                                 report.layer, int(lost.min()), lost.size)
+                    found.append(CorruptPage(self.pool_name, report.layer, WRITES, int(lost.min())))
                 continue
             # A load writes every layer of its device pages: whatever was quarantined there is gone now;
             # this load's own mismatches quarantine them again.
-            QUARANTINE.clear(device_page for _, device_page, _, _ in rows)
-            checked = [r for r in rows if r[2] != UNRECORDED]
-            first = sum(r[3] for r in checked)
+            if QUARANTINE.pages:
+                QUARANTINE.clear(rows[:, 1].tolist())
+            checked = rows[rows[:, 2] != UNRECORDED]
+            first = int(checked[:, 3].sum())
             count("page_checks", len(checked))
             count("pages_verified", first)
             count("page_rechecks", len(checked) - first)
             count("pages_unrecorded", len(rows) - len(checked))
-            for host_page, device_page, verdict, _ in rows:
-                if verdict == MISMATCH:
-                    found.append(CorruptPage(self.pool_name, report.layer, host_page, device_page))
+            for host_page, device_page in rows[rows[:, 2] == MISMATCH][:, :2].tolist():
+                found.append(CorruptPage(self.pool_name, report.layer, host_page, device_page))
         if any(page.host_page != WRITES for page in found):
             count("mismatches", sum(page.host_page != WRITES for page in found))
         for page in found:

@@ -14,7 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dsv4_sm120.kernels import index_k_store, index_query, mqa_logits, page_checksum, page_copy
+from dsv4_sm120.kernels import index_k_store, index_query, mqa_logits, page_checksum, page_copy, page_ledger
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, ROPE_DIM
 
 TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "sm_120": GPUTarget("cuda", 120, 32)}
@@ -71,6 +71,22 @@ KERNEL_SPECS = (
     KernelSpec("page_checksum", page_checksum._checksum_kernel,
                {"x_ptr": "*i32", "out_ptr": "*i64", "row_words": "i32", "stride_row": "i64"},
                {"BLOCK": page_checksum.BLOCK}, num_warps=page_checksum.NUM_WARPS),
+    KernelSpec("page_ledger[record]", page_ledger._record_kernel,
+               {"rows_ptr": "*i32", "stride_row": "i64", "row_words": "i32", "dev_ptr": "*i64", "host_ptr": "*i64",
+                "expected_ptr": "*i64", "recorded_ptr": "*u8", "verified_ptr": "*u8", "layer_off": "i64"},
+               {"BLOCK": page_ledger.BLOCK}, num_warps=page_ledger.NUM_WARPS),
+    KernelSpec("page_ledger[check]", page_ledger._check_kernel,  # upstream's load indices are int64
+               {"rows_ptr": "*i32", "stride_row": "i64", "row_words": "i32", "dev_idx_ptr": "*i64",
+                "host_idx_ptr": "*i64", "slots_per_page": "i32", "expected_ptr": "*i64", "recorded_ptr": "*u8",
+                "verified_ptr": "*u8", "layer_off": "i64", "out_ptr": "*i64"},
+               {"BLOCK": page_ledger.BLOCK}, num_warps=page_ledger.NUM_WARPS),
+    KernelSpec("page_ledger[key_sums]", page_ledger._key_sums_kernel,
+               {"keys_ptr": "*i32", "stride_key": "i64", "key_words": "i32", "slots_ptr": "*i64", "out_ptr": "*i64"},
+               {"BLOCK": page_ledger.KEY_BLOCK}, num_warps=1, num_stages=1),
+    KernelSpec("page_ledger[lost_keys]", page_ledger._lost_keys_kernel,
+               {"keys_ptr": "*i32", "stride_key": "i64", "key_words": "i32", "slots_ptr": "*i64", "sums_ptr": "*i64",
+                "keys_per_page": "i32", "out_ptr": "*i64"},
+               {"BLOCK": page_ledger.KEY_BLOCK}, num_warps=1, num_stages=1),
     KernelSpec("page_copy", page_copy._copy_pages_kernel,
                {"src_ptr": "*i32", "dst_ptr": "*i32", "src_idx_ptr": "*i32", "dst_idx_ptr": "*i32"},
                {"PAGE_WORDS": 4096, "BLOCK": page_copy.BLOCK}),

@@ -29,11 +29,10 @@ EXACT_ROW_BYTES = 1 << 17  # every two-halfword change is caught up to this row 
 
 
 @triton.jit
-def _checksum_kernel(x_ptr, out_ptr, row_words, stride_row, BLOCK: tl.constexpr):
+def row_checksum(base, row_words, BLOCK: tl.constexpr):
+    """The packed checksum (int64 scalar) of one row of ``row_words`` int32 words at ``base``."""
     # halfword index of (word k, half e) is 2k + e; with k = blk * BLOCK + j:
     #   s2 = sum lo * (2j + 1) + hi * (2j + 2)  +  2 * BLOCK * sum (lo + hi) * blk     (all mod 2^32)
-    row = tl.program_id(0).to(tl.int64)
-    base = x_ptr + row * stride_row
     j = tl.arange(0, BLOCK)
     w_lo = 2 * j + 1
     acc_s = tl.zeros([BLOCK], dtype=tl.int32)
@@ -52,8 +51,13 @@ def _checksum_kernel(x_ptr, out_ptr, row_words, stride_row, BLOCK: tl.constexpr)
     s1 = tl.sum(acc_s.to(tl.int64), axis=0) & 0xFFFFFFFF
     s2 = (tl.sum(acc_w.to(tl.int64), axis=0) + (2 * BLOCK) * tl.sum(acc_b.to(tl.int64), axis=0)) & 0xFFFFFFFF
     s2 = tl.where(s2 >= 2147483648, s2 - 4294967296, s2)
-    packed = s2 * 4294967296 + s1
-    tl.store(out_ptr + row, packed)
+    return s2 * 4294967296 + s1
+
+
+@triton.jit
+def _checksum_kernel(x_ptr, out_ptr, row_words, stride_row, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    tl.store(out_ptr + row, row_checksum(x_ptr + row * stride_row, row_words, BLOCK))
 
 
 def _as_rows(rows: torch.Tensor) -> torch.Tensor:
