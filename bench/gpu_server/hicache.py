@@ -5,7 +5,7 @@ are evicted, backed up and loaded back all the time; a host pool 8x that):
 
 - the shipped configuration: integrity mode off (the default), decode CUDA graphs, one server per io backend
   and host layout the pin supports for DeepSeek-V4 (``kernel`` with ``layer_first`` and ``page_first``;
-  ``direct``, which upstream moves to ``page_first_direct``); the first of them again with integrity mode on;
+  ``direct``, which upstream moves to ``page_first_direct``); each of them again with integrity mode on;
   fp8 keys the same way; the references without HiCache (a device pool 4x larger, so they never wait);
 - eager controls with upstream's ``SGLANG_TEST_HICACHE_H2D_DELAY_CYCLES`` (a sleep on the H2D stream before
   each layer's load, so that a load lands after a read that does not wait for it): the whole load fence out
@@ -15,9 +15,11 @@ are evicted, backed up and loaded back all the time; a host pool 8x that):
   and one page corrupted after its load lands (caught, named, quarantined).
 
 Traffic: the storm (``SESSIONS`` multi-turn sessions in ``GROUPS`` groups sharing long prefixes past the 2048
-tokens after which the top-512 selection is active, each round in waves of ``WAVE`` sessions, each wave ONE
-batched ``/generate`` in the same order on every server, so a request's batch is the same everywhere and
-greedy tokens can be held against the reference's; beside it, streams cut after their first bytes); the top-k
+tokens after which the top-512 selection is active; each wave is ONE batched ``/generate`` in the same order on
+every server, so that greedy tokens can be held against the reference's: even rounds in waves of ``WAVE``
+sessions (a request's batch is then the same everywhere), odd rounds all ``SESSIONS`` sessions at once, the
+agent's concurrency; beside it, streams cut after their first bytes; every server's counters scraped after
+each wave, so a server that dies keeps the counts it reached); the top-k
 probe on the eager servers that return the indexer's selections (``--enable-return-indexer-topk``): probe
 sessions primed before the storm and asked again after it, when their prefixes come back from host, one
 request at a time in the same order, comparing the selections of the rows each request computed itself (from
@@ -89,7 +91,8 @@ def _spec(name: str, index_k: str, hicache: list[str] | None, *, checksum: bool,
     # The servers without HiCache are the reference: a device pool 4x larger, so they never wait on memory.
     pool = 32768 if hicache is not None else 4 * 32768
     return ServerSpec(name, "hicache", "dsv4", graphs=graphs, index_k=index_k, mem_fraction=0.2,
-                      max_total_tokens=pool, context_length=8192, max_running=WAVE, graph_batches=(1, 4, 16),
+                      max_total_tokens=pool, context_length=8192, max_running=SESSIONS,
+                      graph_batches=(1, 4, 16, 32, 64),
                       chunked_prefill=4096,
                       extra_args=_EVERY_SERVER + (_TOPK if topk else []) + ((_HICACHE + hicache) if hicache is not None else []),
                       extra_env=env)
@@ -98,8 +101,8 @@ def _spec(name: str, index_k: str, hicache: list[str] | None, *, checksum: bool,
 def specs() -> list[ServerSpec]:
     layer_first = LAYOUTS["kernel_layer_first"]
     out = [_spec(f"hc_{name}", "bf16", args, checksum=False, graphs=True) for name, args in LAYOUTS.items()]
-    out += [_spec("hc_kernel_layer_first_checksum", "bf16", layer_first, checksum=True, graphs=True),
-            _spec("off", "bf16", None, checksum=False, graphs=True),
+    out += [_spec(f"hc_{name}_checksum", "bf16", args, checksum=True, graphs=True) for name, args in LAYOUTS.items()]
+    out += [_spec("off", "bf16", None, checksum=False, graphs=True),
             _spec("hc_kernel_layer_first_fp8", "fp8", layer_first, checksum=False, graphs=True),
             _spec("off_fp8", "fp8", None, checksum=False, graphs=True),
             # eager, returning the indexer's selections
@@ -154,12 +157,14 @@ class Canceller(threading.Thread):
 
 def _waves():
     """(round, wave, sessions) in the order every server gets them: each round's sessions shuffled (so groups
-    interleave and prefixes keep leaving the device), then cut into waves of ``WAVE``."""
+    interleave and prefixes keep leaving the device), then cut into waves of ``WAVE`` (even rounds) or sent
+    all at once (odd rounds)."""
     for rnd in range(ROUNDS):
         order = list(range(SESSIONS))
         random.Random(rnd).shuffle(order)
-        for w in range(0, SESSIONS, WAVE):
-            yield rnd, w // WAVE, order[w:w + WAVE]
+        width = WAVE if rnd % 2 == 0 else SESSIONS
+        for w in range(0, SESSIONS, width):
+            yield rnd, w // width, order[w:w + width]
 
 
 def storm(url: str, deadline: float = float("inf")) -> dict:
@@ -168,7 +173,7 @@ def storm(url: str, deadline: float = float("inf")) -> dict:
     vocab = models.config("hicache")["vocab_size"]
     prefixes = [traffic.prompt(31000 + g, PREFIX_TOKENS, vocab) for g in range(GROUPS)]
     history = {s: list(prefixes[s % GROUPS]) for s in range(SESSIONS)}
-    before = scrape(url)
+    before = last = scrape(url)
     canceller = Canceller(url, prefixes, vocab)
     canceller.start()
     waves, failed, stalled, t0 = [], [], None, time.monotonic()
@@ -189,20 +194,27 @@ def storm(url: str, deadline: float = float("inf")) -> dict:
             waves.append([traffic.digest(r) for r in results])
             for s, prompt_ids, r in zip(sessions, ids, results):
                 history[s] = prompt_ids + traffic.output_ids(r)
+            last = _scrape_or(url, last)
     finally:
         canceller.stop.set()
         canceller.join(10)
     out = {"waves": waves, "failed_waves": failed, "stalled": stalled, "seconds": round(time.monotonic() - t0, 1),
            "waves_answered": sum(w is not None for w in waves), "requests": sum(len(w) for w in waves if w),
            "cancelled_streams": canceller.sent}
-    try:
-        after = scrape(url)
-        gauges = ("index_k_pages_quarantined", "cache_hit_rate")
-        out["metrics"] = ({k: after[k] - before[k] for k in after if k not in gauges}
-                          | {k: after[k] for k in gauges})
-    except traffic.RequestFailed as exc:  # a server gone after its storm: its waves still count
-        out["metrics"] = {"error": str(exc)[:600]}
+    after = _scrape_or(url, None)
+    if after is None:  # a server gone: the counts it had reached at its last answered wave
+        out["metrics_at_last_wave"] = True
+    after = after or last
+    gauges = ("index_k_pages_quarantined", "cache_hit_rate")
+    out["metrics"] = {k: after[k] - before[k] for k in after if k not in gauges} | {k: after[k] for k in gauges}
     return out
+
+
+def _scrape_or(url: str, default):
+    try:
+        return scrape(url)
+    except traffic.RequestFailed:
+        return default
 
 
 def agreement(a: dict, b: dict) -> dict:

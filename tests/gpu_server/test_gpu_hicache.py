@@ -62,15 +62,17 @@ def test_c_the_planted_page_is_caught_and_its_request_failed(run):
 
 
 def test_shipped_configuration_serves_the_storm_like_hicache_off(run):
-    for name in ("hc_kernel_layer_first", "hc_kernel_page_first", "hc_direct", "hc_kernel_layer_first_fp8",
-                 "hc_kernel_layer_first_checksum"):
+    layouts = ("hc_kernel_layer_first", "hc_kernel_page_first", "hc_direct")
+    for name in layouts + tuple(f"{n}_checksum" for n in layouts) + ("hc_kernel_layer_first_fp8",):
         storm = run["storms"][name]
         assert storm["requests"] > 0 and not storm["failed_waves"] and storm["stalled"] is None, name
         assert storm["metrics"]["load_back_tokens_total"] > 0, name
         same = run["outputs_vs_off"][name]
         assert same["equal"] == same["compared"] > 0, (name, same)
-    checked = _metrics(run, "hc_kernel_layer_first_checksum")
-    assert checked["index_k_page_checks_total"] > 0 and checked["index_k_mismatches_total"] == 0
+    for name in layouts:
+        checked = _metrics(run, f"{name}_checksum")
+        assert checked["index_k_page_checks_total"] > 0 and checked["index_k_mismatches_total"] == 0, name
+        assert checked["index_k_key_writes_checked_total"] > 0 and checked["index_k_key_writes_lost_total"] == 0
 
 
 def test_integrity_mode_costs_at_most_3pct_throughput_and_5pct_ttft(run):

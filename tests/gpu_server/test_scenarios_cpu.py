@@ -209,9 +209,32 @@ def test_hicache_storm_compares_waves_with_hicache_off_and_reads_the_counters(mo
                                      "off": _serve(_tokens(0), _topk(0)), "hc_direct": _serve(_tokens(3), _topk(0))})
     storm = res["storms"]["hc_kernel_layer_first"]
     assert storm["requests"] == 16 and storm["failed_waves"] == []
-    assert storm["metrics"]["index_k_page_checks_total"] == 48.0 * 4  # 4 waves answered during the storm
+    # round 0 in two waves of 4, round 1 all 8 sessions at once: 3 waves answered during the storm
+    assert storm["metrics"]["index_k_page_checks_total"] == 48.0 * 3
     assert res["outputs_vs_off"]["hc_kernel_layer_first"] == {"equal": 16, "compared": 16}
     assert res["outputs_vs_off"]["hc_direct"]["equal"] == 0
+
+
+def test_a_server_gone_after_its_storm_keeps_the_counts_of_its_last_answered_wave(monkeypatch):
+    """Control (a) can take its server down; the counters scraped after each wave survive it."""
+    real, calls = hicache.scrape, []
+
+    def scrape(url):
+        calls.append(url)
+        if len(calls) > 3:  # before the storm and after its first two waves; then the server is gone
+            raise traffic.RequestFailed("connection refused")
+        return real(url)
+
+    monkeypatch.setattr(hicache, "scrape", scrape)
+    server, url = _serve(_tokens(0), _topk(0))
+    try:
+        for name, value in {"SESSIONS": 8, "GROUPS": 4, "ROUNDS": 2, "WAVE": 4, "PREFIX_TOKENS": 100}.items():
+            monkeypatch.setattr(hicache, name, value)
+        storm = hicache.storm(url)
+    finally:
+        server.shutdown()
+    assert storm["requests"] == 16 and storm["metrics_at_last_wave"] is True
+    assert storm["metrics"]["index_k_page_checks_total"] == 48.0 * 2
 
 
 def test_hicache_probes_compare_own_forward_selections_and_cost_runs_abba(monkeypatch):
@@ -258,9 +281,9 @@ def test_a_server_that_stalls_mid_storm_is_named_and_its_answered_waves_still_co
     res = _small_storm(monkeypatch, {"hc_kernel_layer_first": _serve(_tokens(0), _topk(0)),
                                      "off": _serve(_tokens(0), _topk(0), stall_after=2)}, WAVE_TIMEOUT_S=1.0)
     off = res["storms"]["off"]
-    assert off["stalled"] == {"round": 1, "wave": 0, "after_s": off["stalled"]["after_s"]}  # 2 waves a round
+    assert off["stalled"] == {"round": 1, "wave": 0, "after_s": off["stalled"]["after_s"]}  # round 0: 2 waves
     assert off["waves_answered"] == 2 and off["metrics"]["index_k_page_checks_total"] == 96.0
-    assert res["storms"]["hc_kernel_layer_first"]["waves_answered"] == 4
+    assert res["storms"]["hc_kernel_layer_first"]["waves_answered"] == 3  # round 1 is one wave of all 8
     assert res["outputs_vs_off"]["hc_kernel_layer_first"] == {"equal": 8, "compared": 8}
 
 
