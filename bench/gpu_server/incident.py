@@ -152,9 +152,9 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
                 pair.healthy.result()
             if ready is not None:
                 ready()
-            results = {pair.tag or "_default": {"fix": pair.fix} for pair in pairs}
+            # in the record before the traffic, so a run stopped part way keeps each pair's rounds so far
+            results = out["pairs"] = {pair.tag or "_default": {"fix": pair.fix} for pair in pairs}
             list(pool.map(lambda p: run_pair(p, log_dir, work, results[p.tag or "_default"]), pairs))
-        out["pairs"] = results
     finally:
         for pair in pairs:
             pair.cluster.stop()
