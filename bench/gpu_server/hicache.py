@@ -190,6 +190,7 @@ def storm(url: str, deadline: float = float("inf")) -> dict:
                     break
                 failed.append({"round": rnd, "wave": wave, "error": str(exc)[:600]})
                 waves.append(None)
+                last = _scrape_or(url, last)  # a wave failed by the check counts too, if the server still answers
                 continue
             waves.append([traffic.digest(r) for r in results])
             for s, prompt_ids, r in zip(sessions, ids, results):
@@ -215,6 +216,17 @@ def _scrape_or(url: str, default):
         return scrape(url)
     except traffic.RequestFailed:
         return default
+
+
+_MISMATCH = re.compile(r"index-K checksum mismatch at read: pool=\S+ layer=(\d+) host_page=(\d+)")
+_FAILED = re.compile(r"index-K checksum mismatch fails request rid=(\w+)")
+
+
+def log_counts(log: str) -> dict:
+    """What a server's log says integrity mode found: mismatch lines, distinct (layer, host page) and distinct
+    requests failed (for a server whose ``/metrics`` is gone by the end of its traffic)."""
+    return {"mismatch_lines": len(_MISMATCH.findall(log)), "distinct_pages": len(set(_MISMATCH.findall(log))),
+            "requests_failed": len(set(_FAILED.findall(log))), "http_500": log.count('" 500 Internal Server Error')}
 
 
 def agreement(a: dict, b: dict) -> dict:
@@ -391,6 +403,7 @@ def run(servers: dict, logs: dict, work_dir=None, out: dict | None = None) -> di
     out["metrics_after_probes"] = _each(servers, lambda n, u: scrape(u), {})
     if all(n in servers for n in COST_PAIR):
         out["cost"] = cost(servers, *COST_PAIR)
+    out["from_logs"] = {n: log_counts(logs[n]()) for n, m in out["metrics_after_probes"].items() if "error" in m}
     out["mismatch_lines"] = {n: [ln for ln in logs[n]().splitlines()
                                  if "index-K checksum mismatch" in ln or "key write lost" in ln][:5]
                              for n in servers}

@@ -41,8 +41,13 @@ def _metrics(run, name):
 
 def test_a_without_any_fence_the_read_side_check_counts_and_fails_and_the_topk_differs(run):
     checked = _metrics(run, "control_no_fence_delayed")
-    assert checked["index_k_mismatches_total"] > 0 and checked["index_k_requests_failed_total"] > 0
-    assert run["probe_summary"]["control_no_fence_delayed"]["failed_500"] > 0
+    if "error" in checked:  # upstream's load accounting can take this server down: its log has the counts
+        logged = run["from_logs"]["control_no_fence_delayed"]
+        assert logged["distinct_pages"] > 0 and logged["requests_failed"] > 0, logged
+    else:
+        assert checked["index_k_mismatches_total"] > 0 and checked["index_k_requests_failed_total"] > 0
+    storm_500 = [w for w in run["storms"]["control_no_fence_delayed"]["failed_waves"] if " 500" in w["error"][:200]]
+    assert storm_500 or run["probe_summary"]["control_no_fence_delayed"]["failed_500"] > 0
     unchecked = run["topk_vs_off"]["control_no_fence_delayed_unchecked"]
     assert unchecked["requests"] > 0 and unchecked["requests_equal"] < unchecked["requests"]
 

@@ -320,3 +320,15 @@ def test_a_stream_step_skips_the_first_tokens_and_reads_coalesced_chunks():
     assert traffic.step_seconds(times, skip=2) == pytest.approx(0.01)
     with pytest.raises(ValueError, match="no prompt streamed"):
         traffic.step_seconds([{1: 1.0}], skip=2)
+
+
+def test_log_counts_reads_distinct_pages_and_failed_requests_from_a_server_log():
+    log = "\n".join([
+        "[t] index-K checksum mismatch at read: pool=p layer=0 host_page=5 device_page=1 (the page ...)",
+        "[t] index-K checksum mismatch at read: pool=p layer=0 host_page=5 device_page=2 (the page ...)",
+        "[t] index-K checksum mismatch at read: pool=p layer=1 host_page=5 device_page=2 (the page ...)",
+        "[t] index-K checksum mismatch fails request rid=ab12: pool=p layer=0 host_page=5 device_page=1",
+        "[t] index-K checksum mismatch fails request rid=ab12: pool=p layer=1 host_page=5 device_page=2",
+        '[t] INFO:     127.0.0.1:1 - "POST /generate HTTP/1.1" 500 Internal Server Error',
+    ])
+    assert hicache.log_counts(log) == {"mismatch_lines": 3, "distinct_pages": 2, "requests_failed": 1, "http_500": 1}
