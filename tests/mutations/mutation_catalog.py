@@ -151,7 +151,7 @@ MUTATIONS: tuple[Mutation, ...] = (
          "        pool.write_slots", "        pool, local = self._bf16_index_pool(layer_id)\n        pool.write_slots"),),
       ("tests/index_k/test_pool.py::test_readers_and_writer_wait_for_the_layer_load",)),
     M("switch-checksum-hicache-ignored", "switch DSV4_SM120_INDEX_K_CHECKSUM=1: HiCache pages are checksummed",
-      (E(INDEX_K + "hicache.py", "adopt(host, checksum=settings.load().index_k_checksum,",
+      (E(INDEX_K + "hicache.py", "adopt(host, checksum=gate.switches().index_k_checksum,",
          "adopt(host, checksum=False,"),),
       ("tests/index_k/test_integrity.py::test_planted_corruption_is_caught_at_the_read_counted_and_logged",)),
     M("checksum-compare-blind", "fix 2: a page the indexer reads unlike its backup is counted and quarantined",
