@@ -10,6 +10,7 @@ machine's free memory moves with the other jobs on it.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -75,8 +76,43 @@ def build(model_dir: Path, model_impl: str, budget_bytes: int = BUDGET_BYTES, nu
         pre_model_load_memory=0)
 
 
+def build_stack(model_dir: Path, layout: str, mp):
+    """A ``--model-impl dsv4`` pool with HiCache, and its stack as upstream's strategy registry builds it:
+    (configure() result, StackBuildResult, strategy). ``cudaHostRegister`` is replaced through ``mp`` (it needs
+    a CUDA driver), so host pinning is off."""
+    from sglang.srt import runtime_context
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
+    from sglang.srt.mem_cache.pool_host import common
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    class Tree:  # the radix tree only lends its component set and eviction callbacks
+        components = {ComponentType.FULL: None, ComponentType.SWA: None}
+
+    mp.setattr(common, "_cuda_host_register", lambda *args, **kwargs: None)
+    result = build(model_dir, "dsv4", enable_hierarchical_cache=True, hicache_ratio=HICACHE_RATIO,
+                   hicache_mem_layout=layout, hicache_io_backend="kernel")
+    kv = result.token_to_kv_pool
+    params = CacheInitParams(disable=False, req_to_token_pool=result.req_to_token_pool,
+                             token_to_kv_pool_allocator=result.token_to_kv_pool_allocator,
+                             page_size=SLOTS_PER_FULL_PAGE)
+    strategy = hybrid_pool_assembler._select_strategy(kv, set(Tree.components))
+    built = strategy.build(cache=Tree(), kvcache=kv, params=params, server_args=runtime_context.get_server_args(),
+                           load_cache_event=None)
+    return result, built, strategy
+
+
 def tiny_checkpoint(tmp_dir: Path) -> Path:
     return write_tiny_dsv4(tmp_dir / "tiny-dsv4", num_layers=NUM_LAYERS)
+
+
+def switches(mp, **values) -> None:
+    """Through ``mp`` (a pytest MonkeyPatch): the settings this area's hooks decide from, as
+    ``plugin.register`` hands them over in a server started with ``values`` (``index_k_dtype="fp8"``)."""
+    from dsv4_sm120 import settings
+    from dsv4_sm120.index_k import gate
+
+    mp.setattr(gate, "_switches", dataclasses.replace(settings.load(), **values))
 
 
 def apply_index_k_hooks() -> None:

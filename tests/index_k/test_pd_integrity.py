@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from dsv4_sm120.index_k import layout, pd_integrity
+from tests.index_k import pool_harness
 from dsv4_sm120.index_k.pd_integrity import FrameError, PageSums, encode_frame, parse_frame
 
 INDEX_K_LAYERS = 2
@@ -35,12 +36,15 @@ def pd():
 
     from dsv4_sm120.instruments.nixl_loopback import LoopbackPD
 
-    if os.environ.get(pd_integrity.SWITCH, "1") == "1" and pd_integrity.POLL not in HookRegistry._hooks:
+    on = os.environ.get(pd_integrity.SWITCH, "1") == "1"
+    if on and pd_integrity.POLL not in HookRegistry._hooks:
         pd_integrity.register_hooks()
-    pair = LoopbackPD(hardened=True, pages=256, seed=11, index_k_layers=INDEX_K_LAYERS)
-    HookRegistry.apply_hooks()
-    yield pair
-    pair.close()
+    with pytest.MonkeyPatch.context() as mp:
+        pool_harness.switches(mp, index_k_checksum=on)
+        pair = LoopbackPD(hardened=True, pages=256, seed=11, index_k_layers=INDEX_K_LAYERS)
+        HookRegistry.apply_hooks()
+        yield pair
+        pair.close()
 
 
 @pytest.fixture
@@ -259,11 +263,11 @@ def test_switch_off_registers_no_pd_hook(monkeypatch):
     assert set(pd_targets) <= set(registered)
 
 
-def test_unconfigured_manager_follows_the_switch(monkeypatch, pd):
+def test_unconfigured_manager_follows_the_registered_switch_not_the_environment(monkeypatch, pd):
     class Manager:
         kv_args = pd.decode.kv_args
 
-    monkeypatch.setenv(pd_integrity.SWITCH, "0")
-    assert not pd_integrity.state_of(Manager()).enabled
-    monkeypatch.setenv(pd_integrity.SWITCH, "1")
-    assert pd_integrity.state_of(Manager()).enabled
+    for on in (False, True):
+        pool_harness.switches(monkeypatch, index_k_checksum=on)
+        monkeypatch.setenv(pd_integrity.SWITCH, "0" if on else "1")
+        assert pd_integrity.state_of(Manager()).enabled is on

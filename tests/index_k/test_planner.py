@@ -14,7 +14,7 @@ C4_LAYER_COUNT = 2  # tiny checkpoint: compress ratios [4, 128, 4, 128]
 def _planner(checkpoint, dtype, monkeypatch):
     from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
 
-    monkeypatch.setenv("DSV4_SM120_INDEX_K_DTYPE", dtype)
+    pool_harness.switches(monkeypatch, index_k_dtype=dtype)
     return create_memory_pool_configurator(pool_harness.configurator(checkpoint, "dsv4"))
 
 

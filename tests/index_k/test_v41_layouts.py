@@ -51,8 +51,7 @@ def v41(ckpt41, hooked):
         key = model_impl, dtype, hicache, checksum
         if key not in cache:
             with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("DSV4_SM120_INDEX_K_DTYPE", dtype)
-                mp.setenv("DSV4_SM120_INDEX_K_CHECKSUM", "1" if checksum else "0")
+                pool_harness.switches(mp, index_k_dtype=dtype, index_k_checksum=checksum)
                 extra = {}
                 if hicache:
                     mp.setattr(common, "_cuda_host_register", lambda *args, **kwargs: None)
@@ -119,7 +118,7 @@ def test_planner_sizes_c4_at_256_and_leaves_the_fp4_pools_at_68(ckpt41, hooked, 
 
     planners = {}
     for dtype in ("fp8", "bf16"):
-        monkeypatch.setenv("DSV4_SM120_INDEX_K_DTYPE", dtype)
+        pool_harness.switches(monkeypatch, index_k_dtype=dtype)
         planners[dtype] = create_memory_pool_configurator(
             pool_harness.configurator(ckpt41, "dsv4", BUDGET, LAYERS))
     fp8, bf16 = planners["fp8"], planners["bf16"]

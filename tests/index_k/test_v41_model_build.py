@@ -24,15 +24,17 @@ from tests.child_env import repo_on_path
 
 PROBE = textwrap.dedent(
     """
-    import json, os, tempfile
+    import dataclasses, json, tempfile
     from pathlib import Path
+    from dsv4_sm120 import settings
+    from dsv4_sm120.index_k import gate
     from tests.kernels import model_build
     from tests.tiny_checkpoints import write_tiny_dsv41
     model_build._stand_in_vllm_ops()
     from sglang.srt.distributed import parallel_state
 
     def built(cls, dtype, ckpt):
-        os.environ["DSV4_SM120_INDEX_K_DTYPE"] = dtype
+        gate.use(dataclasses.replace(settings.load(), index_k_dtype=dtype))  # as plugin.register hands it over
         model = cls(model_build._publish(ckpt).hf_config, None)
         return {"indexers": {n: type(m).__name__ for n, m in model.named_modules() if n.endswith(".indexer")},
                 "params": {n: list(p.shape) for n, p in model.named_parameters()},

@@ -31,12 +31,6 @@ def kv(tmp_path_factory, kern):
 
     pool_harness.apply_index_k_hooks()
     ckpt = pool_harness.tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
-    old = os.environ.get("DSV4_SM120_INDEX_K_DTYPE")
-    os.environ["DSV4_SM120_INDEX_K_DTYPE"] = "bf16"
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        pool_harness.switches(mp, index_k_dtype="bf16")
         return pool_harness.build(ckpt, "dsv4").token_to_kv_pool
-    finally:
-        if old is None:
-            os.environ.pop("DSV4_SM120_INDEX_K_DTYPE")
-        else:
-            os.environ["DSV4_SM120_INDEX_K_DTYPE"] = old

@@ -17,9 +17,9 @@ nothing calls it while a model is built.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import os
 import socket
 import sys
 import traceback
@@ -111,9 +111,11 @@ def _build(ckpt: Path, index_k_dtype: str, **server_extra) -> dict:
     import torch
     from sglang.srt.layers.attention.dsv4.indexer import C4Indexer
 
+    from dsv4_sm120 import settings
+    from dsv4_sm120.index_k import gate
     from dsv4_sm120.model.deepseek_v4 import BF16C4Indexer, DeepseekV4ForCausalLMSM120
 
-    os.environ["DSV4_SM120_INDEX_K_DTYPE"] = index_k_dtype
+    gate.use(dataclasses.replace(settings.load(), index_k_dtype=index_k_dtype))  # as plugin.register hands it over
     model_config = _publish(ckpt, **server_extra)
     _Lines.lines.clear()
     warmups = _record_warmups()

@@ -61,6 +61,7 @@ class _State:
     def __init__(self, scheduler, loop: str):
         from dsv4_sm120 import settings
 
+        # Read here, not handed from plugin.register: the patched loop also runs where register stopped early.
         self.enabled = settings.load().collective_guard
         self.groups = [consensus.Agreement(g) for g in consensus.groups_of(scheduler)] if self.enabled else []
         self.rank = tp_rank_of(scheduler)

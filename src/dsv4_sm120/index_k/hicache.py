@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import functools
 
-from dsv4_sm120 import settings
-from dsv4_sm120.index_k import integrity, layout
+from dsv4_sm120.index_k import gate, integrity, layout
 
 _registered = False
 
@@ -54,7 +53,7 @@ def _strategy_class():
             result = super().build(**kwargs)
             host = result.host_pool_group.get_pool(PoolName.DEEPSEEK_V4_C4_INDEXER)
             check_mirror(host, kwargs["kvcache"].index_pools[4])
-            adopt(host, checksum=settings.load().index_k_checksum, kvcache=kwargs["kvcache"])
+            adopt(host, checksum=gate.switches().index_k_checksum, kvcache=kwargs["kvcache"])
             return result
 
     return BF16IndexKStackStrategy

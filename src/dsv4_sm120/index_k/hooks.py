@@ -1,7 +1,7 @@
 """Hooks of the bf16 index-K area.
 
 The pool builder, planner and PD handshake hooks are registered unconditionally and
-decide when called, from ``--model-impl`` and ``DSV4_SM120_INDEX_K_DTYPE``, whether
+decide when called, from ``--model-impl`` and the registered ``DSV4_SM120_INDEX_K_DTYPE``, whether
 to act; with any other model impl or with ``fp8`` they call upstream unchanged. The
 three request-failure hooks (admission, and the plain and PD prefill result) act
 only once an integrity-mode host mirror exists in the process; the fourth keeps the
@@ -13,13 +13,15 @@ import upstream lazily: registering costs nothing. The five PD integrity hooks
 from __future__ import annotations
 
 from dsv4_sm120.hooks import hook
-from dsv4_sm120.index_k import builder, pd, pd_integrity, planner, request_fail
+from dsv4_sm120.index_k import builder, gate, pd, pd_integrity, planner, request_fail
 from dsv4_sm120.settings import Settings
 
 
 def register(cfg: Settings) -> None:
     """Register the pool builder, planner, PD handshake and integrity-mode request-failure
-    hooks (the HiCache strategy is registered by the pool itself, when a bf16 pool is built)."""
+    hooks (the HiCache strategy is registered by the pool itself, when a bf16 pool is built); their bodies
+    decide from ``cfg``, kept in :mod:`.gate`."""
+    gate.use(cfg)
     hook(builder.TARGET, builder.build_dsv4_kv_pool)
     hook(planner.TARGET, planner.indexer_bytes_per_token)
     hook(pd.TARGET, pd.try_ensure_parallel_info)

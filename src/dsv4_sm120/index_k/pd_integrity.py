@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dsv4_sm120.index_k import layout
+from dsv4_sm120.index_k import gate, layout
 
 NIXL = "sglang.srt.disaggregation.nixl.conn"
 ADD_TRANSFER = f"{NIXL}.NixlKVManager.add_transfer_request"
@@ -293,7 +293,7 @@ _lock = threading.Lock()
 
 
 def configure(manager, enabled: bool) -> PDIndexK:
-    """Set whether this manager checks index-K pages (the hooks otherwise read the switch once)."""
+    """Set whether this manager checks index-K pages (otherwise the registered switch decides, once)."""
     state = PDIndexK(manager, enabled)
     setattr(manager, _STATE, state)
     return state
@@ -302,10 +302,8 @@ def configure(manager, enabled: bool) -> PDIndexK:
 def state_of(manager) -> PDIndexK:
     state = getattr(manager, _STATE, None)
     if state is None:
-        from dsv4_sm120 import settings
-
         with _lock:
-            state = getattr(manager, _STATE, None) or configure(manager, settings.load().index_k_checksum)
+            state = getattr(manager, _STATE, None) or configure(manager, gate.switches().index_k_checksum)
     return state
 
 

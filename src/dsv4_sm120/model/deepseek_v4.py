@@ -26,8 +26,7 @@ from sglang.srt.layers.attention.dsv4.indexer import C4Indexer
 from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
 from sglang.srt.runtime_context import get_memory
 
-from dsv4_sm120 import settings
-from dsv4_sm120.index_k import integrity
+from dsv4_sm120.index_k import gate, integrity
 from dsv4_sm120.kernels.index_k_store import store_index_k_bf16
 from dsv4_sm120.kernels.index_query import index_query_bf16
 from dsv4_sm120.kernels.mqa_logits import LogitsCall, bf16_paged_mqa_logits
@@ -307,7 +306,7 @@ class DeepseekV4ForCausalLMSM120(DeepseekV4ForCausalLM):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        cfg = settings.load()
+        cfg = gate.switches()
         self.index_k_dtype = cfg.index_k_dtype
         self.kernels_ready = {"variants": 0}
         if self.index_k_dtype == "bf16":
