@@ -25,7 +25,8 @@ sessions primed before the storm and asked again after it, when their prefixes c
 request at a time in the same order, comparing the selections of the rows each request computed itself (from
 its ``cached_tokens`` on: sglang stores captures by device slot, so rows of a prefix loaded into new slots are
 stale on every server); and the cost of integrity mode: the graph servers with it on and off, each alone on the
-GPU in turn (ABBA), ``COST_SESSIONS`` concurrent sessions.
+GPU in turn (ABBA), ``COST_SESSIONS`` concurrent sessions, then one profiled visit of each (host ops, CUDA
+runtime calls and kernels side by side).
 """
 
 from __future__ import annotations
@@ -211,6 +212,13 @@ def storm(url: str, deadline: float = float("inf")) -> dict:
     return out
 
 
+def _or_error(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as exc:  # a profile that fails is reported; the record keeps the rest
+        return {"error": f"{type(exc).__name__}: {exc}"[:600]}
+
+
 def _scrape_or(url: str, default):
     try:
         return scrape(url)
@@ -356,6 +364,51 @@ def cost(servers: dict, on: str, off: str) -> dict:
     return {"visits": visits, "summary": summary}
 
 
+PROFILE_STEPS = 30  # forward steps of one cost visit in each server's profile
+
+
+def cost_profile(url: str, work_dir, name: str, timeout: float = 90) -> dict:
+    """One cost visit on ``url`` with sglang's profiler on for ``PROFILE_STEPS`` steps, host and GPU: where the
+    time of a step goes (:func:`host_and_gpu_top`). After the timed rounds (a profiled visit is slower)."""
+    out_dir = Path(work_dir) / f"cost_profile_{name}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    visit = threading.Thread(target=cost_visit, args=(url, 900), daemon=True)
+    visit.start()
+    time.sleep(0.3)  # the visit's first prefill batches are queued
+    traffic.request(url, "/start_profile", {"output_dir": str(out_dir), "num_steps": PROFILE_STEPS,
+                                            "activities": ["CPU", "GPU"], "profile_id": name}, timeout=timeout)
+    visit.join(timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        traces = sorted(out_dir.rglob("*.trace.json.gz"))
+        if traces:
+            time.sleep(2.0)  # let the export finish writing
+            return {"steps": PROFILE_STEPS, **host_and_gpu_top(traces[-1])}
+        time.sleep(1.0)
+    return {"error": f"no trace in {out_dir} after {timeout:.0f}s"}
+
+
+def host_and_gpu_top(trace_path, top: int = 15) -> dict:
+    """Per event category of a torch-profiler trace (host ops, CUDA runtime calls, kernels): the total time,
+    and the ``top`` names by time with their counts; a host wait shows as cudaStreamSynchronize,
+    cudaEventSynchronize or a synchronous cudaMemcpy among the runtime calls."""
+    import gzip
+    from collections import Counter
+
+    with gzip.open(trace_path, "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    out = {}
+    for cat in ("cpu_op", "cuda_runtime", "kernel"):
+        time_of, count = Counter(), Counter()
+        for ev in events:
+            if ev.get("cat") == cat and "dur" in ev:
+                time_of[ev["name"]] += float(ev["dur"])
+                count[ev["name"]] += 1
+        out[cat] = {"total_us": round(sum(time_of.values()), 1),
+                    "top": [(k[:100], round(v, 1), count[k]) for k, v in time_of.most_common(top)]}
+    return out
+
+
 TOPK_SERVERS = ("eager_off", "control_fence_in_delayed", "control_no_fence_delayed_unchecked")
 COST_PAIR = ("hc_kernel_layer_first_checksum", "hc_kernel_layer_first")  # integrity mode on, off
 
@@ -403,6 +456,8 @@ def run(servers: dict, logs: dict, work_dir=None, out: dict | None = None) -> di
     out["metrics_after_probes"] = _each(servers, lambda n, u: scrape(u), {})
     if all(n in servers for n in COST_PAIR):
         out["cost"] = cost(servers, *COST_PAIR)
+        if work_dir is not None:
+            out["cost_profiles"] = {n: _or_error(cost_profile, servers[n], work_dir, n) for n in COST_PAIR}
     out["from_logs"] = {n: log_counts(logs[n]()) for n, m in out["metrics_after_probes"].items() if "error" in m}
     out["mismatch_lines"] = {n: [ln for ln in logs[n]().splitlines()
                                  if "index-K checksum mismatch" in ln or "key write lost" in ln][:5]

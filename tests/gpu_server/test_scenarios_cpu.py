@@ -332,3 +332,21 @@ def test_log_counts_reads_distinct_pages_and_failed_requests_from_a_server_log()
         '[t] INFO:     127.0.0.1:1 - "POST /generate HTTP/1.1" 500 Internal Server Error',
     ])
     assert hicache.log_counts(log) == {"mismatch_lines": 3, "distinct_pages": 2, "requests_failed": 1, "http_500": 1}
+
+
+def test_the_cost_profile_sums_host_ops_runtime_calls_and_kernels_by_name(tmp_path):
+    import gzip
+    import json
+
+    events = [{"cat": "cpu_op", "name": "aten::index_select", "dur": 5.0},
+              {"cat": "cpu_op", "name": "aten::index_select", "dur": 7.0},
+              {"cat": "cuda_runtime", "name": "cudaEventSynchronize", "dur": 900.0},
+              {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "dur": 3.0},
+              {"cat": "kernel", "name": "_check_kernel", "dur": 2.5}, {"cat": "python_function", "name": "x", "dur": 1}]
+    trace = tmp_path / "t.trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    top = hicache.host_and_gpu_top(trace)
+    assert top["cpu_op"] == {"total_us": 12.0, "top": [("aten::index_select", 12.0, 2)]}
+    assert top["cuda_runtime"]["top"][0] == ("cudaEventSynchronize", 900.0, 1)
+    assert top["kernel"]["total_us"] == 2.5
