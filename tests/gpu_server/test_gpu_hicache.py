@@ -1,38 +1,22 @@
 """The bars of the HiCache integrity run on real figures: ``python -m bench.gpu_server run hicache``.
 
-On a CUDA host with the pin, from the repository root in the unpacked bundle's environment, this runs
-the set (about ten minutes) and asserts on its record; ``DSV4_GPU_HICACHE_JSON=<record>`` asserts on a
-record a run wrote instead (the committed one, on any machine). Selected with ``-m gpu``; without a
-CUDA device and no record it fails: a GPU bar that cannot be checked is not passed.
+On a CUDA host with the pin this runs the set (about ten minutes) and asserts on its record;
+``DSV4_GPU_HICACHE_JSON=<record>`` asserts on a record a run wrote instead (``tests.gpu_server.gpu_record``).
+Selected with ``-m gpu``; without a CUDA device and no record it fails.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-from pathlib import Path
-
 import pytest
+
+from tests.gpu_server import gpu_record
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def run() -> dict:
-    given = os.environ.get("DSV4_GPU_HICACHE_JSON")
-    if given:
-        return json.loads(Path(given).read_text())["results"]
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.fail("needs a CUDA device with the pin's stack, or DSV4_GPU_HICACHE_JSON naming a run's record")
-    from bench.gpu_server import run as runner
-
-    out = Path(tempfile.mkdtemp()) / "gpu_hicache.json"
-    rc = runner.main(["hicache", "--out", str(out)])
-    record = json.loads(out.read_text())
-    assert rc == 0, record.get("error", "")[:4000]
-    return record["results"]
+    return gpu_record.results("DSV4_GPU_HICACHE_JSON", "hicache")
 
 
 def _metrics(run, name):
