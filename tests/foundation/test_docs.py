@@ -24,12 +24,14 @@ README = REPO / "README.md"
 DOCS = sorted((REPO / "docs").glob("*.md"))
 INDEX = REPO / "bench" / "results" / "README.md"
 RESULTS = REPO / "bench" / "results"
+# Each topic folder's table of headline figures over time (current records by path, superseded ones by commit).
+HEADLINES = "HEADLINES.md"
 
 # A repository path as the documents write it: from a top-level folder, not inside another path.
 PATH = re.compile(r"(?<![\w./$-])((?:src|tests|bench|docs|patches|\.ci)/[\w./*{},<>$-]*)")
 # "git show 11c877e:bench/decode_latency_h200.py": a path as it was at a commit, in history and not the tree.
 AT_COMMIT = re.compile(r"(?<![\w./-])([0-9a-f]{7,40}):((?:src|tests|bench|docs|patches|\.ci)/[\w./-]*[\w/])")
-# "..._tune_59e42b1.json": a result file named by its tail, next to a full path of the same family.
+# "..._tune_5f3f1cc.json": a result file named by its tail, next to a full path of the same family.
 TAIL = re.compile(r"\.\.\._([\w.*-]+\.(?:json|txt|log))")
 # Run outputs a document describes but the repository does not hold: a user's own serving runs.
 WRITTEN_AT_RUN_TIME = ("bench/results/serving/",)
@@ -37,7 +39,7 @@ METRIC = re.compile(r"sglang:dsv4_\w+(?![\w<])")
 
 
 def _cited_docs() -> list[Path]:
-    return [README, *DOCS, INDEX]
+    return [README, *DOCS, INDEX, *sorted(RESULTS.glob(f"*/{HEADLINES}"))]
 
 
 def _expand(path: str) -> list[str]:
@@ -102,12 +104,17 @@ def _index_rows() -> dict[str, set[str]]:
 def test_the_results_index_lists_every_file_and_only_files_that_exist():
     rows = _index_rows()
     for folder in sorted(p for p in RESULTS.iterdir() if p.is_dir()):
-        on_disk = {p.name for p in folder.iterdir() if p.is_file() and p.name != ".gitkeep"}
+        on_disk = {p.name for p in folder.iterdir() if p.is_file() and p.name not in {".gitkeep", HEADLINES}}
         listed = rows.get(folder.name)
         assert listed is not None, f"bench/results/{folder.name}/ has no section in bench/results/README.md"
         assert listed <= on_disk, f"listed in the index, not in bench/results/{folder.name}/: {sorted(listed - on_disk)}"
         if listed:  # a folder described as a whole (the GPU serving runs) lists no rows
             assert on_disk <= listed, f"in bench/results/{folder.name}/, not in the index: {sorted(on_disk - listed)}"
+    for folder in sorted(p for p in RESULTS.iterdir() if p.is_dir() and any(p.iterdir())):
+        if folder.name in rows and rows[folder.name]:
+            assert (folder / HEADLINES).is_file(), f"bench/results/{folder.name}/ has no {HEADLINES}"
+            assert f"`bench/results/{folder.name}/{HEADLINES}`" in INDEX.read_text(), \
+                f"bench/results/README.md does not point at bench/results/{folder.name}/{HEADLINES}"
     loose = [p.name for p in RESULTS.iterdir() if p.is_file() and p.name != "README.md"]
     assert not loose, f"result files outside a topic folder: {loose}"
 

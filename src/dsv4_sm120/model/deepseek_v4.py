@@ -82,7 +82,7 @@ class BF16C4Indexer(C4Indexer):
         Upstream asks for it while capturing a decode CUDA graph of up to 64 rows (128 on Blackwell). Run on one
         stream, the compression waited for ``q_lora`` and the query for the compression: on an H200 the decode
         step of a 12-layer model of DeepSeek-V4-Flash's dimensions took 3.7% longer than upstream's with TileLang,
-        at the same kernels and kernel time (bench/results/gpu_serving/gpu_serving_h200_2026-12-02_cost_33511c4.json).
+        at the same kernels and kernel time (git show 468f95f:bench/results/gpu_serving/gpu_serving_h200_2026-12-02_cost_33511c4.json).
         """
         current = torch.cuda.current_stream()
         on_query, on_weights = streams[0], streams[1]
@@ -169,7 +169,7 @@ class TopkInputs:
     (or on upstream's indexer stream, joined every layer), so one set of buffers serves them all, and an eager
     layer's indexer calls allocate nothing and its logits call reads the layout of three tensors instead of six
     (on an H200 host the outputs' ``torch.empty`` were 6.3 of the logits call's 29 us of host time
-    and 12.2 of the query call's 28.5, bench/results/kernels/indexer_h200_2026-12-02_eager_786f569.json).
+    and 12.2 of the query call's 28.5, git show 468f95f:bench/results/kernels/indexer_h200_2026-12-02_eager_786f569.json).
 
     Kept on the forward's metadata, so it lives as long as the forward does; metadata that outlives its forward
     (a CUDA-graph capture's may) and meets other tensors or rows gets new inputs. Views only: where the metadata
