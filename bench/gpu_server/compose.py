@@ -1,7 +1,7 @@
 """``python -m bench.gpu_server.compose``: issue 24's one record of a GPU host, (a) to (f), from the runs that measured them.
 
 The scenarios run as separate sets (``run serve`` for a, b, e and f on the tiny checkpoint, ``run cost`` for c on
-``flash12``, ``python -m bench.indexer_h200 --eager-only`` for d), each writing its own JSON with its date, device,
+``flash12``, ``python -m bench.indexer --eager-only`` for d), each writing its own JSON with its date, device,
 commit and versions. This puts their figures side by side with each one's source file and provenance, and
 holds each against its bar: c decode step <= 1.03x and prefill <= 1.05x of upstream's TileLang fp8 path, d an
 eager call adds <= 20 us of host time, e a package server's first request of a shape <= 2x its steady state.
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_server.compose", description=__doc__.splitlines()[0])
     ap.add_argument("--serve", type=Path, required=True, help="a `run serve` JSON (scenarios a, b, e, f)")
     ap.add_argument("--cost", type=Path, required=True, help="a `run cost` JSON (scenario c)")
-    ap.add_argument("--eager", type=Path, required=True, help="an `indexer_h200.py --eager-only` JSON (scenario d)")
+    ap.add_argument("--eager", type=Path, required=True, help="a `python -m bench.indexer --eager-only` JSON (scenario d)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     record = compose(args.serve, args.cost, args.eager)

@@ -44,7 +44,7 @@ except ImportError:  # a Triton without the NVIDIA backend: Triton's launcher ev
     CudaLauncher = None
 
 _VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2])
-DIRECT = _VERSION in ((3, 6), (3, 8)) and not interpreting()  # bench/indexer_h200.py turns it off to time Triton
+DIRECT = _VERSION in ((3, 6), (3, 8)) and not interpreting()  # bench/indexer/ turns it off to time Triton
 _LAUNCHES: dict = {}  # (id(kernel), device, num_warps, num_stages, specialization_key) -> _Direct
 _PARAMS: dict = {}  # id(kernel) -> (kernel, constexpr getter, runtime parameters); by id: hashing a kernel locks
 _HOOK_CHAIN = getattr(knobs, "HookChain", None)

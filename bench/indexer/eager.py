@@ -1,0 +1,228 @@
+"""What host time does an eager call of the bf16 indexer add to its kernels (issue 24 d)?
+
+Decode B in {1, 8, 64} x {4k, 32k, 128k} keys at the capture width as eager calls (wall clock of back-to-back
+calls, host included), with every host cache and as before issue 24, beside the CUDA-graph replay and the
+kernel alone (``eager`` in the JSON; ``eager_section`` says what each field is), and the whole C4 layer, query,
+key store and logits as the model calls them (``eager_layer``; ``layer_section``). The last lines (VERDICT,
+``print_verdict``) set the host time an eager layer and an eager logits call add against issue 24's 20 us bar.
+``--eager-only`` runs only these and ``breakdown`` (under a minute on the H200).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from bench import _gpu_common as g
+from bench.indexer import cases
+from bench.indexer.cases import D, H, PAGE, SIZES, capture, case, sync
+from dsv4_sm120.kernels import launch as kernel_launch
+from dsv4_sm120.kernels import mqa_logits
+from dsv4_sm120.kernels.mqa_logits import bf16_paged_mqa_logits, decode_splits
+
+
+def _eager_us(fn, calls, before_each=None, rounds=3):
+    """Host-inclusive time of one eager call as a user meets it: wall clock of ``calls`` back-to-back calls from a
+    sync to the sync after the last, over ``calls``; the median of ``rounds``."""
+    times = []
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            if before_each is not None:
+                before_each()
+            fn()
+        sync()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return sorted(times)[len(times) // 2]
+
+
+def _graph_us(fn, calls, rounds=3):
+    """One CUDA graph of ``calls`` launches: wall clock of a replay from a sync to its sync, over ``calls``."""
+    graph = capture([fn] * calls)
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def _kernel_us(fn, calls):
+    """Mean duration of the logits kernel itself over ``calls`` eager launches, from the CUDA profiler (CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    spans = [e.time_range.elapsed_us() for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA and "_logits_kernel" in e.name]
+    if not spans:
+        raise RuntimeError("the profiler recorded no _logits_kernel launch")
+    return sum(spans) / len(spans)
+
+
+def _kernels_us(fn, calls, names) -> float:
+    """Summed duration per call of the kernels whose names contain one of ``names``, from CUPTI."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    spans = [e.time_range.elapsed_us() for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA and any(n in e.name for n in names)]
+    return sum(spans) / calls
+
+
+LAYER_KERNELS = ("_query_kernel", "_store_kernel", "_logits_kernel")
+FLASH_C4_LAYERS = 21  # DeepSeek-V4-Flash: 43 layers, two sliding-window-only, then C4 and C128 alternating
+
+
+def layer_section(pool, gen):
+    """One C4 layer's whole bf16 indexer in eager decode, as the model calls it: the query (into the forward's
+    buffers), the key store (upstream's DecodePlan, every row storing: the step that completes a compressed key)
+    and the logits (the forward's bound ``LogitsCall``), back to back for ``eager_calls`` layers.
+
+    Per shape (rows x live keys at the capture width): ``eager_us`` a layer's wall clock with its host time,
+    ``kernels_us`` its three kernels alone (CUPTI), ``host_added_us`` their difference; ``plan_us`` what a
+    forward pays once when the width or the batch changed (its ``LogitsCall`` built and the first layer's
+    plans made, minus a layer), and ``host_added_with_plan_us`` the per-layer figure with that plan spread
+    over Flash's ``FLASH_C4_LAYERS`` C4 layers."""
+    from dsv4_sm120.kernels import index_k_store, index_query
+
+    rows_out = []
+    calls, width, dry = SIZES["eager_calls"], SIZES["width"], g._DRY["on"]
+    freqs = torch.polar(torch.ones(SIZES["max_pos"] * 4, 32, device=cases.DEV),
+                        torch.rand(SIZES["max_pos"] * 4, 32, generator=gen, device=cases.DEV))
+    for b in SIZES["eager_b"]:
+        for live in SIZES["eager_live"]:
+            q_in = torch.randn((b, H, D), generator=gen, device=cases.DEV).to(torch.bfloat16)  # wq_b's output
+            w_in = torch.randn((b, H), generator=gen, device=cases.DEV).to(torch.bfloat16)
+            pos = torch.full((b,), live - 1, device=cases.DEV)
+            out = (torch.empty_like(q_in), torch.empty((b, H, 1), dtype=torch.float32, device=cases.DEV))
+            kv = torch.randn((b, D), generator=gen, device=cases.DEV)  # the compressor's fp32 output
+            slots = torch.arange(b, device=cases.DEV) * PAGE + 3
+            step = torch.full((b, 4), -1, dtype=torch.int32, device=cases.DEV)
+            step[:, 0] = live  # a multiple of 4: every row completes a compressed key
+            step = step.view(torch.uint8)
+            keys = torch.zeros((b + 1, PAGE, D), dtype=torch.bfloat16, device=cases.DEV)
+            norm = torch.ones(D, device=cases.DEV)
+            _, _, sl, pt = case(pool.shape[0], b, [live] * b, width, gen)
+            scratch = torch.empty((b, width), dtype=torch.float32, device=cases.DEV)
+
+            def layer(bound):
+                qr, wr = index_query.index_query_bf16(q_in, w_in, 0.0110485, freqs, pos, out=out)
+                index_k_store.store_index_k_bf16(kv, keys, slots, norm_weight=norm, norm_eps=1e-6, freqs=freqs,
+                                                 mode="decode", plan=step)
+                bound(qr, pool, wr)
+
+            bound = mqa_logits.LogitsCall(sl, pt, width, scratch)
+            layer(bound)
+            res = {"shape": "eager_layer", "B": b, "live": live, "width": width, "calls": calls,
+                   "eager_us": _eager_us(lambda: layer(bound), calls)}
+
+            def new_plan():
+                _forget_plans()
+                index_query._PLANS.clear()
+                index_k_store._PLANS.clear()
+                layer(mqa_logits.LogitsCall(sl, pt, width, scratch))
+
+            res["plan_us"] = _eager_us(new_plan, max(3, calls // 20)) - res["eager_us"]
+            res["kernels_us"] = res["host_added_us"] = res["host_added_with_plan_us"] = None
+            if not dry:
+                res["kernels_us"] = _kernels_us(lambda: layer(bound), calls, LAYER_KERNELS)
+                res["host_added_us"] = res["eager_us"] - res["kernels_us"]
+                res["host_added_with_plan_us"] = res["host_added_us"] + res["plan_us"] / FLASH_C4_LAYERS
+            rows_out.append(res)
+            print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()), flush=True)
+            del q_in, w_in, out, kv, keys, sl, pt, scratch
+    return rows_out
+
+
+def _forget_plans():
+    mqa_logits._SPLITS.clear()
+    mqa_logits._PLANS.clear()
+
+
+def eager_section(pool, gen):
+    """Decode logits as eager calls, host time included, beside CUDA-graph replays and the kernel alone (issue 24 d).
+
+    Per shape (rows x live keys, width = the capture width, the same inputs every call, so keys may sit in L2:
+    the decode section has the L2-cold kernel times): ``eager_us`` as the model calls it, with every host cache
+    (split counts kept, direct launch): a ``LogitsCall`` with the lengths, page table, width and the forward's logits
+    buffer bound (``model.deepseek_v4.TopkInputs``), given each layer's queries, weights and pool;
+    ``eager_alloc_us`` the same call allocating its output, as a caller without a buffer meets it;
+    ``eager_triton_dispatch_us`` with Triton's own dispatch instead of the direct launch;
+    ``eager_before_us`` as before issue 24, the split search run before every call (its cache and the wrapper's
+    plans emptied) and Triton's dispatch (the search itself now divides without ``triton.cdiv``, so this
+    understates the old cost);
+    ``graph_us`` per launch of a captured graph; ``kernel_us`` the kernel alone (CUPTI); ``host_added_us`` =
+    eager minus kernel (``host_added_alloc_us`` for the allocating call). ``split_search_us`` is one search on the
+    host. Dry runs time eager calls only.
+    """
+    rows_out = []
+    calls, width, dry = SIZES["eager_calls"], SIZES["width"], g._DRY["on"]
+    for b in SIZES["eager_b"]:
+        for live in SIZES["eager_live"]:
+            q, w, sl, pt = case(pool.shape[0], b, [live] * b, width, gen)
+            w = w.unsqueeze(-1)  # as index_query_bf16 returns the head weights
+            scratch = torch.empty((b, width), dtype=torch.float32, device=cases.DEV)
+            bound = mqa_logits.LogitsCall(sl, pt, width, scratch)
+            eager = lambda: bound(q, pool, w)  # noqa: E731  (as the model calls it)
+            eager_alloc = lambda: bf16_paged_mqa_logits(q, pool, w, sl, pt, width)  # noqa: E731
+            eager()
+            eager_alloc()
+            res = {"shape": "eager_decode", "B": b, "live": live, "width": width, "calls": calls,
+                   "splits": decode_splits(b, width, device=pool.device, num_stages=mqa_logits.DECODE_CONFIG["num_stages"],
+                                           heads=H)}
+            res["eager_us"] = _eager_us(eager, calls)
+            res["eager_alloc_us"] = _eager_us(eager_alloc, calls)
+            direct, kernel_launch.DIRECT = kernel_launch.DIRECT, False
+            try:
+                res["eager_triton_dispatch_us"] = _eager_us(eager, calls)
+                res["eager_before_us"] = _eager_us(eager_alloc, calls, before_each=_forget_plans)
+            finally:
+                kernel_launch.DIRECT = direct
+            t0 = time.perf_counter()
+            mqa_logits._SPLITS.clear()
+            decode_splits(b, width, device=pool.device, num_stages=mqa_logits.DECODE_CONFIG["num_stages"], heads=H)
+            res["split_search_us"] = (time.perf_counter() - t0) * 1e6
+            res["graph_us"] = res["kernel_us"] = res["host_added_us"] = None
+            if not dry:
+                res["graph_us"] = _graph_us(eager, calls)
+                try:
+                    res["kernel_us"] = _kernel_us(eager, calls)
+                    res["host_added_us"] = res["eager_us"] - res["kernel_us"]
+                    res["host_added_alloc_us"] = res["eager_alloc_us"] - res["kernel_us"]
+                    res["host_added_before_us"] = res["eager_before_us"] - res["kernel_us"]
+                except Exception as exc:  # no CUPTI: the graph time stands in for the kernel's
+                    res["kernel_us_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows_out.append(res)
+            print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()), flush=True)
+            del q, w, sl, pt, scratch
+    return rows_out
+
+
+HOST_BAR_US = 20.0  # issue 24 d: an eager call adds at most this much host time to its kernel
+
+
+def print_verdict(result: dict) -> None:
+    """One line per eager shape of one request: the host time an eager logits call adds against the bar."""
+    for r in result.get("eager_layer", []):
+        if r.get("host_added_with_plan_us") is not None:
+            verdict = "within" if r["host_added_with_plan_us"] <= HOST_BAR_US else "OVER"
+            print(f"VERDICT eager C4 layer B={r['B']} live={r['live']} (query + store + logits, plan spread): "
+                  f"eager {r['eager_us']:.1f} us, kernels {r['kernels_us']:.1f} us, host added "
+                  f"{r['host_added_with_plan_us']:.1f} us: {verdict} the {HOST_BAR_US:.0f} us bar", flush=True)
+    for r in result["eager"]:
+        if r["B"] == 1 and r.get("host_added_us") is not None:
+            verdict = "within" if r["host_added_us"] <= HOST_BAR_US else "OVER"
+            print(f"VERDICT eager logits B=1 live={r['live']} (as the model calls it): eager {r['eager_us']:.1f} us, "
+                  f"kernel {r['kernel_us']:.1f}"
+                  f" us, host added {r['host_added_us']:.1f} us: {verdict} the {HOST_BAR_US:.0f} us bar", flush=True)
