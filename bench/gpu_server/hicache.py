@@ -371,20 +371,11 @@ def cost_profile(url: str, work_dir, name: str, timeout: float = 90) -> dict:
     """One cost visit on ``url`` with sglang's profiler on for ``PROFILE_STEPS`` steps, host and GPU: where the
     time of a step goes (:func:`host_and_gpu_top`). After the timed rounds (a profiled visit is slower)."""
     out_dir = Path(work_dir) / f"cost_profile_{name}"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    visit = threading.Thread(target=cost_visit, args=(url, 900), daemon=True)
-    visit.start()
-    time.sleep(0.3)  # the visit's first prefill batches are queued
-    traffic.request(url, "/start_profile", {"output_dir": str(out_dir), "num_steps": PROFILE_STEPS,
-                                            "activities": ["CPU", "GPU"], "profile_id": name}, timeout=timeout)
-    visit.join(timeout)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        traces = sorted(out_dir.rglob("*.trace.json.gz"))
-        if traces:
-            time.sleep(2.0)  # let the export finish writing
-            return {"steps": PROFILE_STEPS, **host_and_gpu_top(traces[-1])}
-        time.sleep(1.0)
+    # the visit's first prefill batches are queued 0.3 s after it starts
+    trace = traffic.profile_window(url, out_dir, lambda: cost_visit(url, 900), wait_s=0.3, steps=PROFILE_STEPS,
+                                   activities=["CPU", "GPU"], name=name, timeout=timeout)
+    if trace is not None:
+        return {"steps": PROFILE_STEPS, **host_and_gpu_top(trace)}
     return {"error": f"no trace in {out_dir} after {timeout:.0f}s"}
 
 

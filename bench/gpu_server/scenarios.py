@@ -333,25 +333,15 @@ def kernel_shares(trace_path) -> dict:
 def profile_decode(url: str, out_dir, name: str, batch: int, ctx: int, prefix: list[int], vocab: int,
                    steps: int = 4, timeout: float = 60) -> dict:
     """Profile ``steps`` decode steps of a running batch on one server; the kernel shares of that window."""
-    import threading
     from pathlib import Path
 
     out_dir = Path(out_dir) / name
-    out_dir.mkdir(parents=True, exist_ok=True)
     ids = traffic.prompts(424242 + batch, batch, ctx, vocab, prefix=prefix)
     # Long enough to still decode when the profile starts: 96 tokens of one request at 32k were over (3 ms a
-    # step on an H200) before it did, and the profiler then waited for steps that never came.
-    worker = threading.Thread(target=traffic.generate, args=(url, ids, PROFILE_TOKENS), daemon=True)
-    worker.start()
-    time.sleep(1.0)  # the batch's short prefill is over; it decodes
-    body = {"output_dir": str(out_dir), "num_steps": steps, "activities": ["GPU"], "profile_id": name}
-    traffic.request(url, "/start_profile", body, timeout=timeout)
-    worker.join(timeout)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        traces = sorted(out_dir.rglob("*.trace.json.gz"))
-        if traces:
-            time.sleep(2.0)  # let the export finish writing
-            return {"steps": steps, **kernel_shares(traces[-1]), "table": step_log.kernel_table(traces[-1], steps)}
-        time.sleep(1.0)
+    # step on an H200) before it did, and the profiler then waited for steps that never came. The profile
+    # starts 1 s in: the batch's short prefill is over; it decodes.
+    trace = traffic.profile_window(url, out_dir, lambda: traffic.generate(url, ids, PROFILE_TOKENS), wait_s=1.0,
+                                   steps=steps, activities=["GPU"], name=name, timeout=timeout)
+    if trace is not None:
+        return {"steps": steps, **kernel_shares(trace), "table": step_log.kernel_table(trace, steps)}
     return {"error": f"no trace in {out_dir} after {timeout:.0f}s"}

@@ -142,3 +142,28 @@ def indexer_topk(result: dict, layers: int, topk: int):
 
 def get_text(url: str, path: str, timeout: float = 30) -> str:
     return request(url, path, timeout=timeout).decode(errors="replace")
+
+
+def profile_window(url: str, out_dir, work, *, wait_s: float, steps: int, activities: list[str], name: str,
+                   timeout: float):
+    """sglang's profiler on ``steps`` forward steps of ``work()`` (run on its own thread, the profile started
+    ``wait_s`` after it): the trace it wrote (``*.trace.json.gz`` under ``out_dir``), or None after ``timeout``."""
+    import threading
+    from pathlib import Path
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    time.sleep(wait_s)
+    request(url, "/start_profile", {"output_dir": str(out_dir), "num_steps": steps, "activities": activities,
+                                    "profile_id": name}, timeout=timeout)
+    worker.join(timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        traces = sorted(out_dir.rglob("*.trace.json.gz"))
+        if traces:
+            time.sleep(2.0)  # let the export finish writing
+            return traces[-1]
+        time.sleep(1.0)
+    return None

@@ -52,23 +52,9 @@ def _graph_us(fn, calls, rounds=3):
     return sorted(times)[len(times) // 2]
 
 
-def _kernel_us(fn, calls):
-    """Mean duration of the logits kernel itself over ``calls`` eager launches, from the CUDA profiler (CUPTI)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    spans = [e.time_range.elapsed_us() for e in prof.events()
-             if e.device_type == torch.autograd.DeviceType.CUDA and "_logits_kernel" in e.name]
-    if not spans:
-        raise RuntimeError("the profiler recorded no _logits_kernel launch")
-    return sum(spans) / len(spans)
-
-
 def _kernels_us(fn, calls, names) -> float:
-    """Summed duration per call of the kernels whose names contain one of ``names``, from CUPTI."""
+    """Summed duration per call of the kernels whose names contain one of ``names`` over ``calls`` eager calls,
+    from the CUDA profiler (CUPTI)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -77,6 +63,8 @@ def _kernels_us(fn, calls, names) -> float:
         torch.cuda.synchronize()
     spans = [e.time_range.elapsed_us() for e in prof.events()
              if e.device_type == torch.autograd.DeviceType.CUDA and any(n in e.name for n in names)]
+    if not spans:
+        raise RuntimeError(f"the profiler recorded no launch of {names}")
     return sum(spans) / calls
 
 
@@ -91,9 +79,10 @@ def layer_section(pool, gen):
 
     Per shape (rows x live keys at the capture width): ``eager_us`` a layer's wall clock with its host time,
     ``kernels_us`` its three kernels alone (CUPTI), ``host_added_us`` their difference; ``plan_us`` what a
-    forward pays once when the width or the batch changed (its ``LogitsCall`` built and the first layer's
-    plans made, minus a layer), and ``host_added_with_plan_us`` the per-layer figure with that plan spread
-    over Flash's ``FLASH_C4_LAYERS`` C4 layers."""
+    forward pays once when the width changed, as at every eager decode step (its ``LogitsCall`` built and the
+    logits' plans made, minus a layer), ``plan_batch_us`` the same when the batch changed (every plan), and
+    ``host_added_with_plan_us`` the per-layer figure with ``plan_us`` spread over Flash's ``FLASH_C4_LAYERS``
+    C4 layers."""
     from dsv4_sm120.kernels import index_k_store, index_query
 
     rows_out = []
@@ -127,13 +116,18 @@ def layer_section(pool, gen):
             res = {"shape": "eager_layer", "B": b, "live": live, "width": width, "calls": calls,
                    "eager_us": _eager_us(lambda: layer(bound), calls)}
 
-            def new_plan():
+            def new_width():  # the logits' plan: every eager decode step (the width is the longest row)
                 _forget_plans()
-                index_query._PLANS.clear()
-                index_k_store._PLANS.clear()
                 layer(mqa_logits.LogitsCall(sl, pt, width, scratch))
 
-            res["plan_us"] = _eager_us(new_plan, max(3, calls // 20)) - res["eager_us"]
+            def new_batch():  # every plan: a step whose batch changed
+                index_query._PLANS.clear()
+                index_k_store._PLANS.clear()
+                new_width()
+
+            plans = max(3, calls // 20)
+            res["plan_us"] = _eager_us(new_width, plans) - res["eager_us"]
+            res["plan_batch_us"] = _eager_us(new_batch, plans) - res["eager_us"]
             res["kernels_us"] = res["host_added_us"] = res["host_added_with_plan_us"] = None
             if not dry:
                 res["kernels_us"] = _kernels_us(lambda: layer(bound), calls, LAYER_KERNELS)
@@ -197,7 +191,7 @@ def eager_section(pool, gen):
             if not dry:
                 res["graph_us"] = _graph_us(eager, calls)
                 try:
-                    res["kernel_us"] = _kernel_us(eager, calls)
+                    res["kernel_us"] = _kernels_us(eager, calls, ("_logits_kernel",))
                     res["host_added_us"] = res["eager_us"] - res["kernel_us"]
                     res["host_added_alloc_us"] = res["eager_alloc_us"] - res["kernel_us"]
                     res["host_added_before_us"] = res["eager_before_us"] - res["kernel_us"]
