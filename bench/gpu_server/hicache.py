@@ -204,9 +204,9 @@ def storm(url: str, deadline: float = float("inf")) -> dict:
            "waves_answered": sum(w is not None for w in waves), "requests": sum(len(w) for w in waves if w),
            "cancelled_streams": canceller.sent}
     after = _scrape_or(url, None)
-    if after is None:  # a server gone: the counts it had reached at its last answered wave
+    if after is None:  # a server gone: the counts it had reached at its last wave
         out["metrics_at_last_wave"] = True
-    after = after or last
+        after = last
     gauges = ("index_k_pages_quarantined", "cache_hit_rate")
     out["metrics"] = {k: after[k] - before[k] for k in after if k not in gauges} | {k: after[k] for k in gauges}
     return out
@@ -233,7 +233,8 @@ _FAILED = re.compile(r"index-K checksum mismatch fails request rid=(\w+)")
 def log_counts(log: str) -> dict:
     """What a server's log says integrity mode found: mismatch lines, distinct (layer, host page) and distinct
     requests failed (for a server whose ``/metrics`` is gone by the end of its traffic)."""
-    return {"mismatch_lines": len(_MISMATCH.findall(log)), "distinct_pages": len(set(_MISMATCH.findall(log))),
+    pages = _MISMATCH.findall(log)
+    return {"mismatch_lines": len(pages), "distinct_pages": len(set(pages)),
             "requests_failed": len(set(_FAILED.findall(log))), "http_500": log.count('" 500 Internal Server Error')}
 
 
@@ -388,16 +389,14 @@ def host_and_gpu_top(trace_path, top: int = 15) -> dict:
 
     with gzip.open(trace_path, "rt") as f:
         events = json.load(f).get("traceEvents", [])
-    out = {}
-    for cat in ("cpu_op", "cuda_runtime", "kernel"):
-        time_of, count = Counter(), Counter()
-        for ev in events:
-            if ev.get("cat") == cat and "dur" in ev:
-                time_of[ev["name"]] += float(ev["dur"])
-                count[ev["name"]] += 1
-        out[cat] = {"total_us": round(sum(time_of.values()), 1),
-                    "top": [(k[:100], round(v, 1), count[k]) for k, v in time_of.most_common(top)]}
-    return out
+    cats = ("cpu_op", "cuda_runtime", "kernel")
+    time_of, count = {c: Counter() for c in cats}, {c: Counter() for c in cats}
+    for ev in events:
+        if ev.get("cat") in time_of and "dur" in ev:
+            time_of[ev["cat"]][ev["name"]] += float(ev["dur"])
+            count[ev["cat"]][ev["name"]] += 1
+    return {c: {"total_us": round(sum(time_of[c].values()), 1),
+                "top": [(k[:100], round(v, 1), count[c][k]) for k, v in time_of[c].most_common(top)]} for c in cats}
 
 
 TOPK_SERVERS = ("eager_off", "control_fence_in_delayed", "control_no_fence_delayed_unchecked")

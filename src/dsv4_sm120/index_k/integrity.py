@@ -59,7 +59,7 @@ COUNTERS = {"pages_recorded": 0, "page_checks": 0, "pages_verified": 0, "page_re
 
 LEDGER = None  # the process's PageLedger once an integrity-mode index-K host mirror is built
 
-OK, MISMATCH, UNRECORDED = 0, 1, 2  # a read row's verdict
+OK, MISMATCH, UNRECORDED = 0, 1, page_ledger.NO_RECORD  # a read row's verdict, as kernels.page_ledger writes it
 WRITES = -1  # the host page of a lost key write's CorruptPage
 SLOT_BYTES = 256  # one compressed bf16 key: a row of the page-row buffer seen as [num_pages * 64, 256]
 

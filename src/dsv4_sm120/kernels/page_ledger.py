@@ -90,7 +90,8 @@ def _words(rows: torch.Tensor) -> torch.Tensor:
     return rows.view(torch.int32)
 
 
-def _on_gpu(tensor: torch.Tensor, kernel: bool | None) -> bool:
+def _use_triton(tensor: torch.Tensor, kernel: bool | None) -> bool:
+    """Whether a call runs the Triton kernel: on CUDA by default, anywhere with ``kernel=True``."""
     return tensor.device.type == "cuda" if kernel is None else kernel
 
 
@@ -101,7 +102,7 @@ def record_pages(rows, device_pages, host_pages, expected, recorded, verified, l
     n = device_pages.shape[0]
     if not n:
         return
-    if not _on_gpu(rows, kernel):
+    if not _use_triton(rows, kernel):
         expected[layer, host_pages] = page_checksum_ref(rows.index_select(0, device_pages))
         recorded[layer, host_pages] = 1
         verified[layer, host_pages] = 0
@@ -117,7 +118,7 @@ def check_pages(rows, device_indices, host_indices, slots_per_page: int, expecte
     """The report [pages, 4] (host page, device page, verdict, first check) of layer ``layer``'s pages of one
     load as ``rows`` holds them now; marks the recorded ones verified."""
     n = device_indices.shape[0] // slots_per_page
-    if not _on_gpu(rows, kernel):
+    if not _use_triton(rows, kernel):
         host = host_indices.reshape(-1, slots_per_page)[:, 0].long() // slots_per_page
         device = device_indices.reshape(-1, slots_per_page)[:, 0].long() // slots_per_page
         rec, ver = recorded[layer, host].long(), verified[layer, host].long()
@@ -136,7 +137,7 @@ def check_pages(rows, device_indices, host_indices, slots_per_page: int, expecte
 
 def key_sums(keys: torch.Tensor, slots: torch.Tensor, *, kernel=None) -> torch.Tensor:
     """int64 [n] checksums of the key rows ``keys`` [slots, 256 B] at ``slots`` (a negative slot: row 0's)."""
-    if not _on_gpu(keys, kernel):
+    if not _use_triton(keys, kernel):
         return page_checksum_ref(keys.index_select(0, slots.long().clamp(min=0)))
     out = torch.empty(slots.shape[0], dtype=torch.int64, device=keys.device)
     if slots.shape[0]:
@@ -149,7 +150,7 @@ def key_sums(keys: torch.Tensor, slots: torch.Tensor, *, kernel=None) -> torch.T
 def lost_keys(keys: torch.Tensor, slots: torch.Tensor, sums: torch.Tensor, keys_per_page: int, *,
               kernel=None) -> torch.Tensor:
     """Per stored slot: -2 (no slot), -1 (its key as stored) or the device page of a key that changed."""
-    if not _on_gpu(keys, kernel):
+    if not _use_triton(keys, kernel):
         slots = slots.long()
         lost = key_sums(keys, slots, kernel=False) != sums
         return torch.where(slots < 0, NO_SLOT, torch.where(lost, slots // keys_per_page, KEPT))
