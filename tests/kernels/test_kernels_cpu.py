@@ -255,6 +255,33 @@ def test_decode_splits_fill_whole_waves(kern):
         assert 1 <= sp and rows * sp <= 4 * slots
 
 
+def _scan_splits(rows, max_splits, slots):
+    """The split search tried count by count: every split count up to about 4 waves, the first best kept."""
+    upper = min(max_splits, max(1, (4 * slots) // rows))
+    best, best_score = 1, -1.0
+    for sp in range(1, upper + 1):
+        waves = -(-rows * sp // slots)
+        score = rows * sp / (waves * slots) - 0.1 * (waves - 1)
+        if score > best_score + 1e-9:
+            best, best_score = sp, score
+    return best
+
+
+def test_decode_split_search_tries_one_count_per_wave_and_agrees_with_the_scan(kern, monkeypatch):
+    ml = kern.mqa_logits
+    for slots in (132, 188, 264, 376, 396, 528):
+        for rows in (*range(1, 70), 96, 100, 127, 128, 200, 256, 263, 264, 265, 500, 1000, 4096):
+            for max_splits in (1, 2, 7, 16, 64, 100, 512, 4096):
+                assert ml._search_splits(rows, max_splits, slots) == _scan_splits(rows, max_splits, slots), \
+                    (rows, max_splits, slots)
+    # an eager decode step of one request meets the search whenever its batch or width changes: it must try a
+    # split count per wave, not every one (1,056 of them for one row on an H200)
+    tried = []
+    monkeypatch.setattr(ml, "cdiv", lambda a, b: tried.append(a) or -(-a // b))
+    assert ml._search_splits(1, 4096, 264) == 264
+    assert len(tried) <= 12
+
+
 def test_decode_residency_follows_the_gpus_shared_memory(kern, monkeypatch):
     ml = kern.mqa_logits
     # the H200 figures the decode tunes were taken with (bench/results/kernels/indexer_h200_2026-12-01_tune_*.json)

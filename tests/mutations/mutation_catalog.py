@@ -206,6 +206,16 @@ MUTATIONS: tuple[Mutation, ...] = (
       (E(INDEX_K + "request_fail.py", "    if batch is None or not QUARANTINE.active:\n        return plan",
          "    if True:\n        return plan"),),
       ("tests/index_k/test_integrity_request_fail.py::test_the_corrupt_page_is_not_served_again",)),
+    M("decode-split-search-scans-every-count",
+      "bf16 indexer eager host: the decode split search tries one split count per wave, not every one",
+      (E("src/dsv4_sm120/kernels/mqa_logits.py",
+         "    for waves in range(1, cdiv(rows * upper, slots) + 1):\n"
+         "        sp = min(upper, (waves * slots) // rows)  # the most splits whose programs fit in these waves\n"
+         "        if sp < 1 or cdiv(rows * sp, slots) != waves:",
+         "    for sp in range(1, upper + 1):\n"
+         "        waves = cdiv(rows * sp, slots)\n"
+         "        if False:"),),
+      ("tests/kernels/test_kernels_cpu.py::test_decode_split_search_tries_one_count_per_wave_and_agrees_with_the_scan",)),
     M("hadamard-as-a-matrix-product",
       "bf16 indexer speed: the key store and query rotate by butterflies, not a tf32x3 product",
       (E("src/dsv4_sm120/kernels/_common.py", "    return x * 0.08838834764831845  # 1/sqrt(128)",
