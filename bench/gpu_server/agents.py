@@ -40,7 +40,9 @@ LEVEL_TIMEOUT_S = 600.0
 FIGURES = ("ttft_p50_s", "ttft_p90_s", "itl_p50_s", "output_tokens_per_s", "total_tokens_per_s", "server_cache_hit")
 _HICACHE = ["--enable-hierarchical-cache", "--hicache-ratio", "8"]
 _EVERY = ["--swa-full-tokens-ratio", "0.5"]
-_SERVER = dict(mem_fraction=0.1, max_total_tokens=POOL, context_length=16384, max_running=64,
+# every server is started at once: each sizes its pool from what the GPU has free when it does, less the share it
+# leaves, so the share must cover the others' weights and graphs (eight flash12 servers use ~100 GB of an H200)
+_SERVER = dict(mem_fraction=0.85, max_total_tokens=POOL, context_length=16384, max_running=64,
                graph_batches=(1, 4, 16, 64), chunked_prefill=8192)
 SINGLES = {
     "hc_off": ("bf16", [], {}),
@@ -133,7 +135,7 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
             ready()
         targets = {s.spec.name: (s.url, s.url) for s in started}
         targets |= {tag: (p.cluster.front, p.cluster.prefill.url) for tag, p in zip(PAIRS, pairs)}
-        runs: list[dict] = []
+        runs: list[dict] = out.setdefault("runs", [])  # in the record as they come: a stopped run keeps its levels
         out["order"] = []
         for rnd in range(REPETITIONS + 1):  # round 0: the untimed warm-up level on each target
             names = sorted(targets)
@@ -146,11 +148,10 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
                     runs.append({"round": rnd, "target": name, "concurrency": c, "level": level,
                                  "wall_s": round(time.monotonic() - t0, 1)})
                     out["order"].append(f"r{rnd}:{name}:C{c}")
-        out["runs"] = runs
-        out.update(summarize(runs))
+    finally:
         out["workload"] = {"agent_bench": list(AGENT), "concurrency": list(CONCURRENCY), "rounds": REPETITIONS,
                            "device_pool_tokens": POOL}
-    finally:
+        out.update(summarize(out.get("runs", [])))  # over the levels that ran, also when the run was stopped
         for s in started:
             s.proc.stop()
         for p in pairs:

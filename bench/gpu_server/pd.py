@@ -243,8 +243,13 @@ def patch_sglang() -> dict:
 def agent_level(args: list[str], out: Path, timeout: float) -> dict:
     """One level of ``dsv4-sm120 agent-bench args`` (its JSON to ``out``): the level's figures, its exit status and
     the tokens HiCache loaded back meanwhile (its other counter deltas left out), or the error."""
-    proc = subprocess.run([*CLI, "agent-bench", *args, "--out", str(out)], capture_output=True, text=True,
-                          timeout=timeout)
+    try:
+        proc = subprocess.run([*CLI, "agent-bench", *args, "--out", str(out)], capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as exc:  # a hung level is a finding of its own, not the end of the set
+        tail = (exc.stderr or b"")[-1500:]
+        return {"error": f"agent-bench did not end within {timeout:.0f}s: "
+                         f"{tail.decode(errors='replace') if isinstance(tail, bytes) else tail}"}
     if not out.exists():
         return {"error": f"agent-bench wrote nothing (exit {proc.returncode}): {proc.stderr[-1500:]}"}
     level = json.loads(out.read_text())["levels"][0]

@@ -217,6 +217,33 @@ def test_run_agents_visits_every_target_in_shuffled_abba_rounds_and_summarizes(s
     assert "DSV4_SM120_NIXL_HARDENING=0" in servers["decode_pd_fixes_off"]["launch"]
 
 
+def test_a_stopped_agents_run_keeps_the_levels_it_measured(standins, monkeypatch, tmp_path):
+    monkeypatch.setattr(agents, "AGENT", ("--sessions", "4", "--groups", "2", "--prefix-words", "10", "--turns", "1",
+                                          "--max-tokens", "4"))
+    level, done = agents.agent, []
+
+    def stopped_after_eight(*args):  # the run's SIGTERM handler raises SystemExit where the run is
+        if len(done) == 8:
+            raise SystemExit("stopped by signal 15")
+        done.append(1)
+        return level(*args)
+
+    monkeypatch.setattr(agents, "agent", stopped_after_eight)
+    out = tmp_path / "agents.json"
+    run.main(["agents", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"])
+    record = json.loads(out.read_text())
+    res = record["results"]
+    assert "stopped by signal 15" in record["error"]
+    assert len(res["runs"]) == 8 and len(res["order"]) == 8  # the 6 warm levels and 2 of round 1
+    assert sum(c["output_tokens_per_s"]["n"] for t in res["table"].values() for c in t.values()) == 2
+
+
+def test_a_level_that_does_not_end_is_recorded_and_the_set_goes_on(tmp_path):
+    level = pd.agent_level(["--base-url", "http://127.0.0.1:9", "--model", "m", "--sessions", "1"],
+                           tmp_path / "level.json", 0.01)
+    assert "did not end within" in level["error"]
+
+
 @pytest.mark.parametrize("setname", ["incident", "agents"])
 def test_the_sets_agent_turns_render_in_dsv4s_chat_encoding_within_the_servers_context(setname, tmp_path):
     import argparse
