@@ -68,22 +68,24 @@ def _kernels_us(fn, calls, names) -> float:
     return sum(spans) / calls
 
 
-LAYER_KERNELS = ("_query_kernel", "_store_kernel", "_logits_kernel")
+LAYER_KERNELS = ("_query_store_kernel", "_logits_kernel")
 FLASH_C4_LAYERS = 21  # DeepSeek-V4-Flash: 43 layers, two sliding-window-only, then C4 and C128 alternating
 
 
 def layer_section(pool, gen):
-    """One C4 layer's whole bf16 indexer in eager decode, as the model calls it: the query (into the forward's
-    buffers), the key store (upstream's DecodePlan, every row storing: the step that completes a compressed key)
-    and the logits (the forward's bound ``LogitsCall``), back to back for ``eager_calls`` layers.
+    """One C4 layer's whole bf16 indexer in eager decode, as the model calls it on one stream: the query (into the
+    forward's buffers) and the key store (upstream's DecodePlan, every row storing: the step that completes a
+    compressed key) in one launch (the forward's bound ``QueryStoreCall``), then the logits (the forward's bound
+    ``LogitsCall``), back to back for ``eager_calls`` layers.
 
-    Per shape (rows x live keys at the capture width): ``eager_us`` a layer's wall clock with its host time,
+    Per shape (rows x live keys at the capture width): ``eager_us`` a layer's wall clock with its host time
+    (``eager_two_launches_us`` the same layer with the query and the store launched apart, as before),
     ``kernels_us`` its three kernels alone (CUPTI), ``host_added_us`` their difference; ``plan_us`` what a
     forward pays once when the width changed, as at every eager decode step (its ``LogitsCall`` built and the
     logits' plans made, minus a layer), ``plan_batch_us`` the same when the batch changed (every plan), and
     ``host_added_with_plan_us`` the per-layer figure with ``plan_us`` spread over Flash's ``FLASH_C4_LAYERS``
     C4 layers."""
-    from dsv4_sm120.kernels import index_k_store, index_query
+    from dsv4_sm120.kernels import index_k_store, index_query, query_store
 
     rows_out = []
     calls, width, dry = SIZES["eager_calls"], SIZES["width"], g._DRY["on"]
@@ -105,24 +107,37 @@ def layer_section(pool, gen):
             _, _, sl, pt = case(pool.shape[0], b, [live] * b, width, gen)
             scratch = torch.empty((b, width), dtype=torch.float32, device=cases.DEV)
 
+            def forward():  # what a forward binds (model.deepseek_v4.TopkInputs)
+                return (query_store.QueryStoreCall(pos, out, slots, step, "decode"),
+                        mqa_logits.LogitsCall(sl, pt, width, scratch))
+
             def layer(bound):
+                one_launch, logits = bound
+                qr, wr = one_launch(q_in, w_in, 0.0110485, freqs, kv, keys, norm_weight=norm, norm_eps=1e-6,
+                                    k_freqs=freqs)
+                logits(qr, pool, wr)
+
+            def two_launches(bound):  # the layer before the one launch: the query, then the store
                 qr, wr = index_query.index_query_bf16(q_in, w_in, 0.0110485, freqs, pos, out=out)
                 index_k_store.store_index_k_bf16(kv, keys, slots, norm_weight=norm, norm_eps=1e-6, freqs=freqs,
                                                  mode="decode", plan=step)
-                bound(qr, pool, wr)
+                bound[1](qr, pool, wr)
 
-            bound = mqa_logits.LogitsCall(sl, pt, width, scratch)
+            bound = forward()
             layer(bound)
+            two_launches(bound)
             res = {"shape": "eager_layer", "B": b, "live": live, "width": width, "calls": calls,
-                   "eager_us": _eager_us(lambda: layer(bound), calls)}
+                   "eager_us": _eager_us(lambda: layer(bound), calls),
+                   "eager_two_launches_us": _eager_us(lambda: two_launches(bound), calls)}
 
             def new_width():  # the logits' plan: every eager decode step (the width is the longest row)
                 _forget_plans()
-                layer(mqa_logits.LogitsCall(sl, pt, width, scratch))
+                layer(forward())
 
             def new_batch():  # every plan: a step whose batch changed
                 index_query._PLANS.clear()
                 index_k_store._PLANS.clear()
+                query_store._PLANS.clear()
                 new_width()
 
             plans = max(3, calls // 20)

@@ -66,8 +66,9 @@ MANIFEST: tuple[Touch, ...] = (
     ),
     # --- model + kernels: bf16 C4 indexer ---
     Touch("sglang.srt.layers.attention.dsv4.indexer.C4Indexer", "subclass", "model",
-          "BF16C4Indexer replaces compute_q/forward: bf16 store, query and logits kernels; in a captured decode "
-          "it keeps upstream's split over the indexer's alt_streams (weights, query beside the compression)."),
+          "BF16C4Indexer replaces compute_q/forward: bf16 store, query and logits kernels (the query and the store "
+          "one launch on one stream); in a captured decode it keeps upstream's split over the indexer's "
+          "alt_streams (weights, query beside the compression)."),
     Touch("sglang.srt.layers.attention.dsv4.indexer.topk_transform_pytorch_vectorized", "calls", "model",
           "--dsa-topk-backend torch on the bf16 indexer's fp32 logits."),
     Touch("sglang.srt.layers.attention.dsv4.indexer.topk_transform_paged", "calls", "model",

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-KERNEL_MODULES = ("_common", "layout", "index_k_store", "index_query", "mqa_logits", "page_checksum", "page_ledger", "page_copy")
+KERNEL_MODULES = ("_common", "layout", "index_k_store", "index_query", "query_store", "mqa_logits", "page_checksum", "page_ledger", "page_copy")
 
 
 @pytest.fixture(scope="session")

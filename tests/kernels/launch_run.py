@@ -139,7 +139,7 @@ def main() -> None:
     _stand_in_c_launcher()
     driver.set_active(_Driver())
     JITFunction.run = _counting(RUNS, "triton", JITFunction.run)
-    from dsv4_sm120.kernels import index_k_store, index_query, launch, mqa_logits
+    from dsv4_sm120.kernels import index_k_store, index_query, launch, mqa_logits, query_store
 
     for module, name in ((mqa_logits, "_logits_plan"), (index_query, "_query_plan"), (index_k_store, "_store_plan")):
         setattr(module, name, _counting(PLANS, module.__name__, getattr(module, name)))
@@ -157,6 +157,7 @@ def main() -> None:
     logits = torch.empty(tokens, 262144)
     query_out = (torch.empty(tokens, heads, 128, dtype=torch.bfloat16), torch.empty(tokens, heads, 1))  # a forward's
     bound = mqa_logits.LogitsCall(seq_lens, table, 262144, logits)  # a forward's, as model.deepseek_v4.TopkInputs binds it
+    one_launch = query_store.QueryStoreCall(positions, query_out, slots, plan, "decode")  # a forward's, likewise
     inputs = {  # as the model calls them each step (dsv4_sm120/model/deepseek_v4.py), at the capture width
         "index_query": (lambda: index_query.index_query_bf16(q, w, 0.01, freqs, positions),
                         dict(q=q, w=w, freqs=freqs, positions=positions)),
@@ -169,6 +170,9 @@ def main() -> None:
         "index_k_store": (lambda: index_k_store.store_index_k_bf16(
             kv, pages, slots, norm_weight=norm, norm_eps=1e-6, freqs=freqs, mode="decode", plan=plan),
             dict(kv=kv, pages=pages, slots=slots, norm=norm, freqs=freqs, plan=plan)),
+        "query_store": (lambda: one_launch(q, w, 0.01, freqs, kv, pages, norm_weight=norm, norm_eps=1e-6, k_freqs=freqs),
+                        dict(q=q, w=w, freqs=freqs, positions=positions, kv=kv, pages=pages, slots=slots, norm=norm,
+                             plan=plan)),
     }
     result = {"direct": launch.DIRECT}
     for name, (call, tensors) in inputs.items():

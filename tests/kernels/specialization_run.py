@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import compute_cache_key, create_function_from_signature
 
-from dsv4_sm120.kernels import index_k_store, index_query, launch, mqa_logits, page_checksum, warmup
+from dsv4_sm120.kernels import index_k_store, index_query, launch, mqa_logits, page_checksum, query_store, warmup
 
 HEADS, D, PAGE = 64, 128, 64
 CAPTURE_KEYS = 262144  # the decode width the bench captures at (a 1M-token context, compressed by 4)
@@ -57,17 +57,24 @@ def keys_of(records) -> tuple[dict, list]:
     return out, launches
 
 
-def model_step(tokens: int, max_seq_len: int, table_pages: int, chunk: int, decode: bool):
+def model_step(tokens: int, max_seq_len: int, table_pages: int, chunk: int, decode: bool, split: bool = False):
     """The indexer's launches for one step as the model makes them (dsv4_sm120/model/deepseek_v4.py): store the
-    step's compressed keys, rotate the queries, score them chunk by chunk against the pool."""
+    step's compressed keys and rotate the queries (one launch on one stream; two under upstream's multi-stream
+    split, ``split``), score them chunk by chunk against the pool."""
     pages = meta(64, PAGE, D, dtype=torch.bfloat16)
     freqs = meta(1 << 20, 32, dtype=torch.complex64)
     buf = meta(tokens + 7, dtype=torch.int64)  # metadata kept in longer buffers: the step's rows are a slice
-    index_k_store.store_index_k_bf16(
-        meta(tokens, D, dtype=torch.float32), pages, buf[:tokens], norm_weight=meta(D, dtype=torch.float32),
-        norm_eps=1e-6, freqs=freqs, mode="decode" if decode else "extend", plan=meta(tokens, 16, dtype=torch.uint8))
-    q, w = index_query.index_query_bf16(meta(tokens, HEADS, D, dtype=torch.bfloat16),
-                                        meta(tokens, HEADS, dtype=torch.bfloat16), 0.01, freqs, buf[:tokens])
+    kv, norm = meta(tokens, D, dtype=torch.float32), meta(D, dtype=torch.float32)
+    plan, mode = meta(tokens, 16, dtype=torch.uint8), "decode" if decode else "extend"
+    q_in, w_in = meta(tokens, HEADS, D, dtype=torch.bfloat16), meta(tokens, HEADS, dtype=torch.bfloat16)
+    if split:
+        index_k_store.store_index_k_bf16(kv, pages, buf[:tokens], norm_weight=norm, norm_eps=1e-6, freqs=freqs,
+                                         mode=mode, plan=plan)
+        q, w = index_query.index_query_bf16(q_in, w_in, 0.01, freqs, buf[:tokens])
+    else:
+        out = (meta(tokens, HEADS, D, dtype=torch.bfloat16), meta(tokens, HEADS, 1, dtype=torch.float32))
+        q, w = query_store.QueryStoreCall(buf[:tokens], out, buf[:tokens], plan, mode)(
+            q_in, w_in, 0.01, freqs, kv, pages, norm_weight=norm, norm_eps=1e-6, k_freqs=freqs)
     seq_lens = meta(tokens + 5, dtype=torch.int32)[:tokens]
     table = meta(tokens, table_pages, dtype=torch.int32)
     for start in range(0, tokens, chunk):
@@ -79,6 +86,7 @@ def sweep_keys() -> dict:
     RECORDS.clear()
     for rows in range(1, 65):  # decode: CUDA-graph batches at the capture width, and eager at growing widths
         model_step(rows, CAPTURE_KEYS, CAPTURE_KEYS // PAGE, rows, decode=True)
+        model_step(rows, CAPTURE_KEYS, CAPTURE_KEYS // PAGE, rows, decode=True, split=True)  # a captured graph
         for width in (1, 17, 64, 1000, 4096, 40001):
             model_step(rows, width, -(-width // PAGE), rows, decode=True)
     for rows in (1, 2, 3, 15, 16, 17, 100, 1023, 1024, 1025, 2047, 4096, 4099, 5000):  # extend / prefill
@@ -86,6 +94,7 @@ def sweep_keys() -> dict:
             for pages in sorted({-(-width // PAGE), -(-width // PAGE) + 3, 129}):
                 for chunk in sorted({rows, 1000, 4096}):
                     model_step(rows, width, pages, chunk, decode=False)
+        model_step(rows, 8191, 129, rows, decode=False, split=True)  # an extend captured with the split
     page_rows = meta(64, PAGE * D * 2, dtype=torch.uint8)
     for n in (1, 2, 17, 64):  # the page checksum (HiCache / PD integrity) on any number of pages
         page_checksum.page_checksum_triton(page_rows[:n])

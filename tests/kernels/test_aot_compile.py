@@ -35,10 +35,10 @@ print("RESULT" + json.dumps(out))
 """
 
 # The default suite compiles one launch shape of each kernel; the other variants are `slow`.
-DEFAULT_SPECS = ("index_k_store[mode=1]", "index_query", "mqa_logits", "mqa_logits[few-rows]", "mqa_logits[prefill]",
+DEFAULT_SPECS = ("index_k_store[mode=1]", "index_query", "query_store[mode=2]", "mqa_logits", "mqa_logits[few-rows]", "mqa_logits[prefill]",
                  "page_checksum", "page_ledger[record]", "page_ledger[check]", "page_ledger[key_sums]",
                  "page_ledger[lost_keys]", "page_copy")
-SLOW_SPECS = ("index_k_store[mode=0]", "index_k_store[mode=2]")
+SLOW_SPECS = ("index_k_store[mode=0]", "index_k_store[mode=2]", "query_store[mode=1]")
 
 
 def _per_target(script, *args):
@@ -82,7 +82,7 @@ def test_the_key_store_and_query_rotate_by_adds_not_a_matrix_product(compiled, t
     """The 128-point Hadamard of the bf16 key store and query is butterflies of adds: a matrix product (the
     128 x 128 matrix built per program, tf32x3) made both kernels several times slower than upstream's on an
     H200."""
-    for name in ("index_k_store[mode=1]", "index_query"):
+    for name in ("index_k_store[mode=1]", "index_query", "query_store[mode=2]"):
         assert not compiled[target][name]["mma"], f"{name} issues a matrix product for {target}"
 
 

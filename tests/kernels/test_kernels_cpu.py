@@ -122,6 +122,55 @@ def test_query_writes_the_buffers_it_is_given_and_refuses_wrong_ones(kern):
             kern.index_query.index_query_bf16(q, w, 0.0110485, f, pos, out=bad)
 
 
+# --------------------------------------------------------------------------- query and store, one launch
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+def test_one_launch_writes_what_the_query_and_the_store_write(kern, mode, monkeypatch):
+    g = _gen(6)
+    tokens, heads = 5, 16
+    q = heavy_tailed((tokens, heads, D), g).to(torch.bfloat16)
+    w = torch.randn(tokens, heads, generator=g).to(torch.bfloat16)
+    pos = torch.tensor([3, 8, 63, 200, 511])
+    qf, kf = freqs_cis(512, g), freqs_cis(512, g)
+    kv = heavy_tailed((tokens, D), g).float()
+    norm = (1 + 0.1 * torch.randn(D, generator=g)).float()
+    out_loc = torch.tensor([1, 70, 3, 130, 5], dtype=torch.int64)
+    plan = decode_plan([4, 5, 8, 7, 12]) if mode == "decode" else compress_plan([(4, 0), (8, 3), (-1, 1), (12, 2), (400, 4)])
+    pool = torch.full((3, PAGE, D), float("nan"), dtype=torch.bfloat16)
+
+    want_pages = pool.clone()
+    kern.index_k_store.store_index_k_bf16(kv, want_pages, out_loc, norm_weight=norm, norm_eps=1e-6, freqs=kf, mode=mode,
+                                          plan=plan)
+    want = kern.index_query.index_query_bf16(q, w, 0.0110485, qf, pos)
+
+    launched = []
+    launch = kern.query_store.Launch.__call__
+    monkeypatch.setattr(kern.query_store.Launch, "__call__", lambda self, *t: launched.append(self.kernel) or launch(self, *t))
+    out = (torch.full((tokens, heads, D), float("nan")).to(torch.bfloat16), torch.full((tokens, heads, 1), float("nan")))
+    call = kern.query_store.QueryStoreCall(pos, out, out_loc, plan, mode)
+    got = call(q, w, 0.0110485, qf, kv, pool, norm_weight=norm, norm_eps=1e-6, k_freqs=kf)
+    assert got is out and launched == [kern.query_store._query_store_kernel]
+    assert torch.equal(out[0].view(torch.int16), want[0].view(torch.int16)) and torch.equal(out[1], want[1])
+    assert torch.equal(pool.view(torch.int16), want_pages.view(torch.int16))  # NaN slots untouched in both
+
+
+def test_a_layout_the_one_launch_does_not_take_makes_the_two_calls(kern):
+    g = _gen(7)
+    q = torch.randn(2, 16, D, generator=g).to(torch.bfloat16)
+    w = torch.randn(2, 16, generator=g).to(torch.bfloat16)
+    pos, f = torch.tensor([4, 9]), freqs_cis(64, g)
+    kv = torch.randn(2, D, generator=g).to(torch.bfloat16)  # bf16 rows, fp32 norm weight: the store casts per call
+    out_loc, plan = torch.tensor([0, 1]), decode_plan([4, 8])
+    pool_a, pool_b = (torch.zeros(1, PAGE, D, dtype=torch.bfloat16) for _ in range(2))
+    out = (torch.empty(2, 16, D, dtype=torch.bfloat16), torch.empty(2, 16, 1))
+    call = kern.query_store.QueryStoreCall(pos, out, out_loc, plan, "decode")
+    call(q, w, 0.5, f, kv, pool_a, norm_weight=torch.ones(D), norm_eps=1e-6, k_freqs=f)
+    kern.index_k_store.store_index_k_bf16(kv, pool_b, out_loc, norm_weight=torch.ones(D), norm_eps=1e-6, freqs=f,
+                                          mode="decode", plan=plan)
+    want = kern.index_query.index_query_bf16(q, w, 0.5, f, pos)
+    assert torch.equal(pool_a, pool_b) and torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+    assert [p.launch for p in call._plans.values()] == [None]
+
+
 def test_hadamard_is_orthonormal_so_logits_are_preserved(kern):
     h = kern._common.hadamard_matrix(128)
     torch.testing.assert_close(h @ h.T, torch.eye(128, dtype=torch.float64))

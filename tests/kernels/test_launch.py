@@ -22,14 +22,15 @@ from tests.kernels.helpers import harness_result, logits_case
 
 HARNESS = Path(__file__).with_name("launch_run.py")
 # index_query_out and mqa_logits_bound: the calls as the model makes them, into a forward's shared buffers
-WRAPPERS = ("index_query", "index_query_out", "mqa_logits", "mqa_logits_bound", "index_k_store")
+# query_store: a forward's query and key store in one launch (kernels/query_store.py), as a layer on one stream calls it
+WRAPPERS = ("index_query", "index_query_out", "mqa_logits", "mqa_logits_bound", "index_k_store", "query_store")
 # Python lines a steady-state eager call executes in the package and Triton (today 30-36; 105-176 with a cached
 # specialization key per call and Triton's launcher; a decode split search at the capture width adds about 850
 # for the harness's 8 rows, a plan about 100)
 MAX_LINES = 60
 MAX_LINES_BOUND = 32  # a forward's bound logits call: 27 today, 45 keying its plan on all six tensors again
 ALLOCATIONS = {"index_query": 2, "index_query_out": 0, "mqa_logits": 1, "mqa_logits_bound": 0,
-               "index_k_store": 0}  # the outputs
+               "index_k_store": 0, "query_store": 0}  # the outputs
 
 
 def test_logits_plan_and_split_search_once_per_layout(kern, monkeypatch):
@@ -101,7 +102,8 @@ def test_direct_launch_is_the_call_triton_makes(eager, name):
     res = eager[name]
     # a call into given buffers has the allocating call's kernel specialization, which Triton launched already
     triton_runs = 0 if name in ("index_query_out", "mqa_logits_bound") else 1
-    assert res["launches"] == 5 and res["triton_runs"] == triton_runs and res["plans"] == 1, res
+    plans = 2 if name == "query_store" else 1  # the query's and the store's checks, made once for the one launch
+    assert res["launches"] == 5 and res["triton_runs"] == triton_runs and res["plans"] == plans, res
     first, second = res["launcher_args"]
     assert first == second, "the direct launch must pass the C launcher what Triton's own launch passed"
 
@@ -123,7 +125,8 @@ def test_steady_state_call_makes_no_torch_op_but_its_outputs(eager, name):
 @pytest.mark.parametrize("name", WRAPPERS)
 def test_launch_hooks_see_the_launch_as_tritons_would(eager, name):
     kernel = {"index_query": "_query_kernel", "index_query_out": "_query_kernel", "mqa_logits": "_logits_kernel",
-              "mqa_logits_bound": "_logits_kernel", "index_k_store": "_store_kernel"}[name]
+              "mqa_logits_bound": "_logits_kernel", "index_k_store": "_store_kernel",
+              "query_store": "_query_store_kernel"}[name]
     assert eager[name]["hook_saw"] == repr([[("function", 2), ("name", kernel), ("stream", 7)]])
 
 

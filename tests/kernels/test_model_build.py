@@ -72,3 +72,7 @@ def test_aot_store_specs_take_what_upstreams_compressor_feeds(built):
     assert len(store_specs) == 3
     for spec in store_specs:  # the store casts the norm weight to the kv dtype, so both pointers carry it
         assert spec.signature["kv_ptr"] == kv and spec.signature["w_ptr"] == kv, spec
+    one_launch = [s for s in aot.KERNEL_SPECS if s.name.startswith("query_store")]
+    assert len(one_launch) == 2
+    for spec in one_launch:
+        assert spec.signature["kv_ptr"] == kv and spec.signature["norm_w_ptr"] == kv, spec

@@ -109,6 +109,61 @@ def _decode_case(kv, seed, *, query_rows=2, chunk_rows=None):
                            x=x, q_lora=q_lora, out_pages=out_pages)
 
 
+def _no_keys(c):
+    """A step's compressed keys of which none closes a group of 4 tokens: the store writes nothing."""
+    from dsv4_sm120.model.deepseek_v4 import CompressedKeys
+
+    return CompressedKeys(torch.zeros(2, D), c.pages, torch.tensor([0, 1]), decode_plan([5, 6]), "decode",
+                          SimpleNamespace(weight=torch.ones(D), variance_epsilon=1e-6), c.ind.freqs_cis)
+
+
+def _with_compressor(c, seq, out_loc, compressed, monkeypatch):
+    """The case's indexer and backend with a compressor whose upstream kernel returns ``compressed``, the
+    decode plan of these sequence lengths and these slots."""
+    from sglang.kernels.ops.attention.dsv4 import compress as upstream_compress
+    from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan
+
+    gen = torch.Generator().manual_seed(11)
+    monkeypatch.setattr(upstream_compress, "compress_forward", lambda **kw: compressed)
+    c.ind.compressor = SimpleNamespace(
+        head_dim=D, ape=torch.zeros(4, 2 * D), freqs_cis=freqs_cis(4096, gen),
+        norm=SimpleNamespace(weight=1 + 0.1 * torch.randn(D, generator=gen), variance_epsilon=1e-6),
+        compute_kv_score=lambda x, fb: x,
+        get_state_pool=lambda backend: SimpleNamespace(kv_score_buffer=SimpleNamespace(kv_score=torch.zeros(8, 4, 512))),
+    )
+    plan = CompressorDecodePlan(4, decode_plan(seq))
+    c.backend._get_paged_compress_metadata = lambda ratio: plan
+    c.backend._get_out_loc = lambda ratio: out_loc
+    return c
+
+
+def test_a_layer_on_one_stream_queries_and_stores_its_keys_in_one_launch(kv, kern, env_torch_logits, monkeypatch):
+    """Outside a captured multi-stream decode, the query and the bf16 key store are one launch (eager decode's host
+    time per C4 layer), and select and store what the two launches do."""
+    from dsv4_sm120.kernels import launch as kernel_launch
+    from dsv4_sm120.kernels import query_store
+
+    slots = torch.tensor([30 * PAGE + 1, 31 * PAGE + 63], dtype=torch.int64)
+    compressed = torch.randn(2, D, generator=torch.Generator().manual_seed(12))
+    runs = {}
+    for fused in (True, False):
+        c = _with_compressor(_decode_case(kv, 7), [8, 12], slots, compressed, monkeypatch)
+        c.pages[30:32] = float("nan")
+        launched = []
+        real = kernel_launch.launch
+        monkeypatch.setattr(kernel_launch, "launch", lambda kernel, *a, **kw: launched.append(kernel) or real(kernel, *a, **kw))
+        if not fused:
+            monkeypatch.setattr(query_store.QueryStoreCall, "_plan", lambda self, *a: query_store._Plan(None))
+        _forward(c)
+        runs[fused] = (c.out_pages.clone(), c.pages[30:32].clone(), launched)
+        monkeypatch.undo()
+    (sel, keys, launched), (sel2, keys2, launched2) = runs[True], runs[False]
+    assert torch.equal(sel, sel2) and torch.equal(keys.view(torch.int16), keys2.view(torch.int16))
+    assert not keys.view(-1, D)[[1, 127]].isnan().any(), "both closed groups stored"
+    names = [k.fn.__name__ if hasattr(k, "fn") else k.__name__ for k in launched]
+    assert "_query_store_kernel" in names and "_query_kernel" not in names and "_store_kernel" not in names, names
+
+
 def _forward(c, **kw):
     from sglang.srt.layers.attention.dsv4 import indexer as upstream_indexer
 
@@ -228,6 +283,7 @@ def test_a_captured_decode_keeps_upstreams_multi_stream_split(kv, kern, env_torc
     # the compression and bf16 store are upstream's kernel and the package's (tested above); here only where they run
     monkeypatch.setattr(deepseek_v4, "store_index_keys", spy("compression", lambda *a: None))
     single = _decode_case(kv, 6)
+    monkeypatch.setattr(deepseek_v4, "compressed_keys", lambda ind, backend, x, fb: _no_keys(single))
     _forward(single)
     want = single.out_pages.clone()
     log.clear()
@@ -256,8 +312,9 @@ def test_compressor_gets_only_the_query_rows(kv, kern, env_torch_logits, monkeyp
     from dsv4_sm120.model import deepseek_v4
 
     seen = []
-    monkeypatch.setattr(deepseek_v4, "store_index_keys", lambda ind, backend, x, fb: seen.append(x.shape[0]))
     c = _decode_case(kv, 3, query_rows=3)
+    monkeypatch.setattr(deepseek_v4, "compressed_keys",
+                        lambda ind, backend, x, fb: seen.append(x.shape[0]) or _no_keys(c))
     _forward(c)
     assert seen == [2], "the compressor must see the rows the query and the metadata have"
 

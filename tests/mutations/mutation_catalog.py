@@ -206,6 +206,15 @@ MUTATIONS: tuple[Mutation, ...] = (
       (E(INDEX_K + "request_fail.py", "    if batch is None or not QUARANTINE.active:\n        return plan",
          "    if True:\n        return plan"),),
       ("tests/index_k/test_integrity_request_fail.py::test_the_corrupt_page_is_not_served_again",)),
+    M("query-and-store-as-two-launches",
+      "bf16 indexer eager host: a C4 layer on one stream queries and stores its keys in one launch",
+      (E("src/dsv4_sm120/model/deepseek_v4.py",
+         "                q, weights = self.query_and_store(x, q_lora, positions, q_lora_quant, forward_batch, attn_backend,\n"
+         "                                                  inputs)",
+         "                store_index_keys(self, attn_backend, x, forward_batch)\n"
+         "                q, weights = self.query(q_lora, positions, self.compute_weights(x, skip_scale=True), q_lora_quant,\n"
+         "                                        inputs)"),),
+      ("tests/kernels/test_model_indexer.py::test_a_layer_on_one_stream_queries_and_stores_its_keys_in_one_launch",)),
     M("decode-split-search-scans-every-count",
       "bf16 indexer eager host: the decode split search tries one split count per wave, not every one",
       (E("src/dsv4_sm120/kernels/mqa_logits.py",

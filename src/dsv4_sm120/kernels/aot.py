@@ -14,7 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dsv4_sm120.kernels import index_k_store, index_query, mqa_logits, page_checksum, page_copy, page_ledger
+from dsv4_sm120.kernels import index_k_store, index_query, mqa_logits, page_checksum, page_copy, page_ledger, query_store
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, ROPE_DIM
 
 TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "sm_120": GPUTarget("cuda", 120, 32)}
@@ -43,6 +43,17 @@ def _store_spec(mode: int) -> KernelSpec:
                        "PAGE": PAGE_SLOTS})
 
 
+def _query_store_spec(mode: int) -> KernelSpec:
+    # the query's and the store's inputs as the model hands each of them (above and below)
+    sig = {"q_ptr": "*bf16", "qw_ptr": "*bf16", "q_out_ptr": "*bf16", "qw_out_ptr": "*fp32", "q_freqs_ptr": "*fp32",
+           "q_pos_ptr": "*i64", "kv_ptr": "*fp32", "plan_ptr": "*i32", "k_pos_ptr": "*i64", "loc_ptr": "*i64",
+           "norm_w_ptr": "*fp32", "k_freqs_ptr": "*fp32", "pages_ptr": "*bf16", "n_q_rows": "i32", "n_heads": "i32",
+           "weight_scale": "fp32", "stride_kv": "i64", "n_k_rows": "i32", "eps": "fp32", "ratio": "i32"}
+    return KernelSpec(f"query_store[mode={mode}]", query_store._query_store_kernel, sig,
+                      {"MODE": mode, "Q_BLOCK": query_store.QUERY_BLOCK, "K_BLOCK": query_store.STORE_BLOCK,
+                       "D": HEAD_DIM, "ROPE": ROPE_DIM, "PAGE": PAGE_SLOTS})
+
+
 def _logits_spec(rows_per_program: int = 1, inline_store: bool = True) -> KernelSpec:
     sig = {"q_ptr": "*bf16", "w_ptr": "*fp32", "kv_ptr": "*bf16", "seq_ptr": "*i32", "pt_ptr": "*i32",
            "out_ptr": "*fp32", "stride_q_row": "i64", "stride_q_head": "i64", "stride_w_row": "i64",
@@ -65,6 +76,7 @@ KERNEL_SPECS = (
                {"q_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "w_out_ptr": "*fp32", "freqs_ptr": "*fp32",
                 "pos_ptr": "*i64", "n_rows": "i32", "n_heads": "i32", "weight_scale": "fp32"},
                {"BLOCK_N": index_query.BLOCK_N, "D": HEAD_DIM, "ROPE": ROPE_DIM}),
+    _query_store_spec(1), _query_store_spec(2),
     _logits_spec(),
     _logits_spec(inline_store=False),  # decode below INLINE_STORE_MIN_ROWS rows
     _logits_spec(mqa_logits.ROWS_PER_PROGRAM),

@@ -48,7 +48,17 @@ def _store_kernel(
     n_rows, eps, ratio,
     MODE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    store_block(tl.program_id(0), kv_ptr, stride_kv, plan_ptr, pos_ptr, loc_ptr, w_ptr, freqs_ptr, pages_ptr,
+                n_rows, eps, ratio, MODE, BLOCK_N, D, ROPE, PAGE)
+
+
+@triton.jit
+def store_block(block, kv_ptr, stride_kv, plan_ptr, pos_ptr, loc_ptr, w_ptr, freqs_ptr, pages_ptr, n_rows, eps, ratio,
+                MODE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr,
+                PAGE: tl.constexpr):
+    """Block ``block`` of BLOCK_N compressed rows: the store kernel's work, also run by the fused
+    query-and-store launch (kernels/query_store.py)."""
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     in_range = rows < n_rows
     if MODE == 0:
         pos = tl.load(pos_ptr + rows, mask=in_range, other=0).to(tl.int32)

@@ -31,7 +31,16 @@ _PLANS_MAX = 1 << 12
 @triton.jit(do_not_specialize_on_alignment=["pos_ptr"])
 def _query_kernel(q_ptr, w_ptr, out_ptr, w_out_ptr, freqs_ptr, pos_ptr, n_rows, n_heads, weight_scale,
                   BLOCK_N: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (token, head) pairs
+    query_block(tl.program_id(0), q_ptr, w_ptr, out_ptr, w_out_ptr, freqs_ptr, pos_ptr, n_rows, n_heads, weight_scale,
+                BLOCK_N, D, ROPE)
+
+
+@triton.jit
+def query_block(block, q_ptr, w_ptr, out_ptr, w_out_ptr, freqs_ptr, pos_ptr, n_rows, n_heads, weight_scale,
+                BLOCK_N: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr):
+    """Block ``block`` of BLOCK_N (token, head) rows: the query kernel's work, also run by the fused
+    query-and-store launch (kernels/query_store.py)."""
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)  # (token, head) pairs
     ok = rows < n_rows
     # the head weight of each pair, scaled in fp32 as torch's `weights.float() * scale` rounds it: here rather
     # than in two more launches per call

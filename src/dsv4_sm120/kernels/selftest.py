@@ -89,6 +89,35 @@ def _check_query(gen) -> tuple[bool, str, object]:
     return ok and bool(torch.allclose(wa, wb)), detail, run
 
 
+def _check_query_store(gen) -> tuple[bool, str, object]:
+    """The query and the key store in one launch write exactly what the two kernels write apart."""
+    from dsv4_sm120.kernels.index_k_store import store_index_k_bf16
+    from dsv4_sm120.kernels.index_query import index_query_bf16
+    from dsv4_sm120.kernels.query_store import QueryStoreCall
+
+    t, h, n = 8, 64, 8
+    q = torch.randn(t, h, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
+    w = torch.randn(t, h, generator=gen, device="cuda").to(torch.bfloat16)
+    freqs = torch.polar(torch.ones(4096, 32, device="cuda"), torch.rand(4096, 32, generator=gen, device="cuda") * 6.28)
+    pos = torch.randint(0, 4096, (t,), generator=gen, device="cuda")
+    kv = torch.randn(n, HEAD_DIM, generator=gen, device="cuda")
+    norm = torch.rand(HEAD_DIM, generator=gen, device="cuda") + 0.5
+    slots = torch.randperm(4 * PAGE_SLOTS, generator=gen, device="cuda")[:n]
+    plan = torch.full((n, 4), -1, dtype=torch.int32, device="cuda")
+    plan[:, 0] = torch.randint(1, 1000, (n,), generator=gen, device="cuda") * 4  # every row closes a group of 4
+    plan = plan.view(torch.uint8)
+    apart = torch.zeros(4, PAGE_SLOTS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    together = apart.clone()
+    store_index_k_bf16(kv, apart, slots, norm_weight=norm, norm_eps=1e-6, freqs=freqs, mode="decode", plan=plan)
+    want = index_query_bf16(q, w, 0.011, freqs, pos)
+    out = (torch.empty_like(want[0]), torch.empty_like(want[1]))
+    call = QueryStoreCall(pos, out, slots, plan, "decode")
+    run = lambda: call(q, w, 0.011, freqs, kv, together, norm_weight=norm, norm_eps=1e-6, k_freqs=freqs)  # noqa: E731
+    run()
+    same = bool(torch.equal(out[0], want[0]) and torch.equal(out[1], want[1]) and torch.equal(together, apart))
+    return same, "bit-exact against the two launches" if same else "differs from the two launches", run
+
+
 def _check_logits(gen) -> tuple[bool, str, object]:
     """Decode rows of 1 to 4000 keys at width 8192: 4 rows (tl.store of the logits) and 16 rows (inline stores,
     ``INLINE_STORE_MIN_ROWS``), both paths the server takes."""
@@ -144,7 +173,8 @@ def _check_copy(gen) -> tuple[bool, str, object]:
     return same, "bit-exact, device to pinned host" if same else "copied pages differ", run
 
 
-CHECKS = (("index_k_store", _check_store), ("index_query", _check_query), ("mqa_logits", _check_logits),
+CHECKS = (("index_k_store", _check_store), ("index_query", _check_query), ("query_store", _check_query_store),
+          ("mqa_logits", _check_logits),
           ("page_checksum", _check_checksum), ("page_copy", _check_copy))
 
 

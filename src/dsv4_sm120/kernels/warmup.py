@@ -2,8 +2,8 @@
 
 Without this, the first request of each new shape stalled 1.3-2.1 s on the H200 while Triton compiled a kernel.
 A variant is one entry of Triton's kernel cache: a constexpr branch the wrappers choose (logits:
-decode below and from ``INLINE_STORE_MIN_ROWS`` rows, prefill from ``PREFILL_ROWS``; the store: extend and
-decode plans) times what Triton specializes the runtime arguments on (``launch.specialization_key``). The
+decode below and from ``INLINE_STORE_MIN_ROWS`` rows, prefill from ``PREFILL_ROWS``; the store, alone under
+upstream's multi-stream split and with the query in one launch on one stream: extend and decode plans) times what Triton specializes the runtime arguments on (``launch.specialization_key``). The
 arguments that follow the request (rows, widths, splits, page-table width, the metadata slices' alignment) are
 left unspecialized in the kernels, so what remains is fixed by the model: its head count, dtypes and strides.
 One tiny launch of each branch, through the same public wrappers the model calls, therefore compiles every
@@ -17,11 +17,11 @@ import time
 
 import torch
 
-from dsv4_sm120.kernels import index_k_store, index_query, mqa_logits, page_checksum
+from dsv4_sm120.kernels import index_k_store, index_query, mqa_logits, page_checksum, query_store
 from dsv4_sm120.kernels._common import interpreting
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, ROPE_DIM
 
-SERVING_VARIANTS = 6  # logits 3, store 2, query 1; the page checksum is one more
+SERVING_VARIANTS = 8  # logits 3, store 2, query 1, query and store in one launch 2; the page checksum is one more
 
 
 def serving_calls(device: torch.device, *, heads: int, checksum: bool = False) -> list:
@@ -47,6 +47,15 @@ def serving_calls(device: torch.device, *, heads: int, checksum: bool = False) -
             norm_weight=zeros(HEAD_DIM, dtype=torch.float32), norm_eps=1e-6, freqs=freqs, mode=mode,
             plan=zeros(n, 16, dtype=torch.uint8), compress_ratio=4)
 
+    def query_and_store(mode):  # as store(mode), with one query row
+        n = 3
+        out = (zeros(1, heads, HEAD_DIM, dtype=torch.bfloat16), zeros(1, heads, 1, dtype=torch.float32))
+        call = query_store.QueryStoreCall(zeros(1, dtype=torch.int64), out, zeros(n, dtype=torch.int64) - 1,
+                                          zeros(n, 16, dtype=torch.uint8), mode)
+        return lambda: call(zeros(1, heads, HEAD_DIM, dtype=torch.bfloat16), zeros(1, heads, dtype=torch.bfloat16), 1.0,
+                            freqs, zeros(n, HEAD_DIM, dtype=torch.float32), pages,
+                            norm_weight=zeros(HEAD_DIM, dtype=torch.float32), norm_eps=1e-6, k_freqs=freqs)
+
     calls = [("logits[decode]", logits(1)),
              ("logits[decode, inline stores]", logits(mqa_logits.INLINE_STORE_MIN_ROWS)),
              ("logits[prefill]", logits(mqa_logits.PREFILL_ROWS)),
@@ -54,7 +63,9 @@ def serving_calls(device: torch.device, *, heads: int, checksum: bool = False) -
              ("index_k_store[decode]", store("decode")),
              ("index_query", lambda: index_query.index_query_bf16(
                  zeros(1, heads, HEAD_DIM, dtype=torch.bfloat16), zeros(1, heads, dtype=torch.bfloat16), 1.0, freqs,
-                 zeros(1, dtype=torch.int64)))]
+                 zeros(1, dtype=torch.int64))),
+             ("query_store[extend]", query_and_store("extend")),
+             ("query_store[decode]", query_and_store("decode"))]
     if checksum:
         calls.append(("page_checksum", lambda: page_checksum.page_checksum_triton(pages.view(torch.uint8).flatten(1))))
     return calls
@@ -73,7 +84,7 @@ def compile_for_serving(device, *, heads: int, checksum: bool = False) -> dict:
     with torch.cuda.device(device):
         index = torch.cuda.current_device()
         kernels = (mqa_logits._logits_kernel, index_k_store._store_kernel, index_query._query_kernel,
-                   page_checksum._checksum_kernel)
+                   query_store._query_store_kernel, page_checksum._checksum_kernel)
         before = sum(len(k.device_caches[index][0]) for k in kernels)  # Triton's compiled kernels per device
         calls = serving_calls(device, heads=heads, checksum=checksum)
         for _, call in calls:

@@ -18,6 +18,7 @@ built. With ``fp8`` the model is upstream's, indexer included.
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ from dsv4_sm120.index_k import gate, integrity
 from dsv4_sm120.kernels.index_k_store import store_index_k_bf16
 from dsv4_sm120.kernels.index_query import index_query_bf16
 from dsv4_sm120.kernels.mqa_logits import LogitsCall, bf16_paged_mqa_logits
+from dsv4_sm120.kernels.query_store import QueryStoreCall
 
 C4_RATIO = 4
 logger = logging.getLogger("dsv4_sm120.model")
@@ -45,9 +47,13 @@ class BF16C4Indexer(C4Indexer):
     def compute_q(self, q_lora, positions, weight, q_lora_quant=None, out=None):
         """bf16 query (RoPE + Hadamard, no fp8) and head weights scaled by ``weight_scale``, fp32 [T, H, 1];
         written into ``out`` (the forward's buffers, :meth:`TopkInputs.query_out`) where given."""
+        return index_query_bf16(self.query_rows(q_lora, q_lora_quant), weight, self.weight_scale, self.freqs_cis,
+                                positions, out=out)
+
+    def query_rows(self, q_lora, q_lora_quant) -> torch.Tensor:
+        """Upstream's ``wq_b`` rows as the query kernel reads them: [T, heads, head_dim]."""
         q, _ = self.wq_b(q_lora if q_lora_quant is None else q_lora_quant)
-        q = q.view(-1, self.n_local_heads, self.head_dim)
-        return index_query_bf16(q, weight, self.weight_scale, self.freqs_cis, positions, out=out)
+        return q.view(-1, self.n_local_heads, self.head_dim)
 
     def forward(self, x, q_lora, forward_batch, attn_backend, enable_multi_stream=False, q_lora_ready=None,
                 skip_compressor=False, q_lora_quant=None):
@@ -63,10 +69,25 @@ class BF16C4Indexer(C4Indexer):
         else:
             if q_lora_ready is not None:  # produced on another stream; everything here runs on the current one
                 torch.cuda.current_stream().wait_event(q_lora_ready)
-            if not skip_compressor:
-                store_index_keys(self, attn_backend, x, forward_batch)
-            q, weights = self.query(q_lora, positions, self.compute_weights(x, skip_scale=True), q_lora_quant, inputs)
+            if skip_compressor:
+                q, weights = self.query(q_lora, positions, self.compute_weights(x, skip_scale=True), q_lora_quant,
+                                        inputs)
+            else:
+                q, weights = self.query_and_store(x, q_lora, positions, q_lora_quant, forward_batch, attn_backend,
+                                                  inputs)
         select_topk(self, attn_backend, inputs, q, weights)
+
+    def query_and_store(self, x, q_lora, positions, q_lora_quant, forward_batch, attn_backend,
+                        inputs: "TopkInputs") -> tuple:
+        """On one stream: the key compression (upstream's kernel), then the query and the bf16 key store in one
+        launch (kernels/query_store.py: two launches back to back were most of an eager layer's host time)."""
+        keys = compressed_keys(self, attn_backend, x, forward_batch)
+        weights = self.compute_weights(x, skip_scale=True)
+        call = inputs.query_store_call(positions, keys, self.n_local_heads, self.head_dim)
+        out = call(self.query_rows(q_lora, q_lora_quant), weights, self.weight_scale, self.freqs_cis, keys.kv,
+                   keys.pages, norm_weight=keys.norm.weight, norm_eps=keys.norm.variance_epsilon, k_freqs=keys.freqs)
+        note_key_writes(attn_backend, self, keys)
+        return out
 
     def query(self, q_lora, positions, weights, q_lora_quant, inputs: "TopkInputs") -> tuple:
         """The layer's rotated bf16 queries and its head ``weights`` scaled, written into the forward's buffers."""
@@ -114,8 +135,20 @@ def common_rows(x, q_lora, q_lora_quant, positions):
     return x[:n], q_lora, q_lora_quant, positions[:n]
 
 
-def store_index_keys(indexer: C4Indexer, backend, x: torch.Tensor, forward_batch) -> None:
-    """Compress this step's indexer keys (upstream's kernel) and store them bf16 (RMSNorm, RoPE, Hadamard)."""
+class CompressedKeys(NamedTuple):
+    """A C4 layer's compressed keys of this step and where the bf16 store puts them."""
+
+    kv: torch.Tensor  # upstream's compressor output, [rows, 128]
+    pages: torch.Tensor  # the layer's bf16 pool, behind the HiCache load fence
+    out_loc: torch.Tensor
+    plan: torch.Tensor  # upstream's 16-byte plan rows
+    mode: str  # "decode" or "extend"
+    norm: torch.nn.Module  # the compressor's RMSNorm
+    freqs: torch.Tensor  # the compressor's RoPE table
+
+
+def compressed_keys(indexer: C4Indexer, backend, x: torch.Tensor, forward_batch) -> CompressedKeys:
+    """Compress this step's indexer keys with upstream's kernel; what the bf16 store needs to put them."""
     from sglang.kernels.ops.attention.dsv4.compress import compress_forward
     from sglang.srt.layers.attention.dsv4.compressor_v2 import is_overlap_compress
 
@@ -133,20 +166,24 @@ def store_index_keys(indexer: C4Indexer, backend, x: torch.Tensor, forward_batch
         compress_ratio=C4_RATIO,
     )
     pages = backend.token_to_kv_pool.index_k_pages_bf16(indexer.layer_id)  # behind the HiCache load fence
-    out_loc = backend._get_out_loc(C4_RATIO)
-    store_index_k_bf16(
-        kv,
-        pages,
-        out_loc,
-        norm_weight=comp.norm.weight,
-        norm_eps=comp.norm.variance_epsilon,
-        freqs=comp.freqs_cis,
-        mode="decode" if plan.is_decode else "extend",
-        plan=plan[1],
-        compress_ratio=C4_RATIO,
-    )
-    if integrity.LEDGER is not None:  # integrity mode: what was stored must still be there at the read
-        integrity.note_writes(backend.token_to_kv_pool, indexer.layer_id, pages.view(torch.uint8).flatten(1), out_loc)
+    return CompressedKeys(kv, pages, backend._get_out_loc(C4_RATIO), plan[1], "decode" if plan.is_decode else "extend",
+                          comp.norm, comp.freqs_cis)
+
+
+def store_index_keys(indexer: C4Indexer, backend, x: torch.Tensor, forward_batch) -> None:
+    """Compress this step's indexer keys (upstream's kernel) and store them bf16 (RMSNorm, RoPE, Hadamard)."""
+    keys = compressed_keys(indexer, backend, x, forward_batch)
+    store_index_k_bf16(keys.kv, keys.pages, keys.out_loc, norm_weight=keys.norm.weight,
+                       norm_eps=keys.norm.variance_epsilon, freqs=keys.freqs, mode=keys.mode, plan=keys.plan,
+                       compress_ratio=C4_RATIO)
+    note_key_writes(backend, indexer, keys)
+
+
+def note_key_writes(backend, indexer: C4Indexer, keys: CompressedKeys) -> None:
+    """Integrity mode: what was stored must still be there at the read."""
+    if integrity.LEDGER is not None:
+        integrity.note_writes(backend.token_to_kv_pool, indexer.layer_id, keys.pages.view(torch.uint8).flatten(1),
+                              keys.out_loc)
 
 
 def _rows(tensor: torch.Tensor, rows: int, value) -> torch.Tensor:
@@ -177,7 +214,7 @@ class TopkInputs:
     """
 
     __slots__ = ("source", "rows", "step", "width", "padded", "seq_lens", "page_table", "out_pages", "logits", "call",
-                 "query")
+                 "query", "query_store")
 
     def __init__(self, im, core, rows: int, step: int, device: torch.device):
         self.source = (im.compressed_seq_lens, im.page_table, core.c4_sparse_page_indices)
@@ -192,6 +229,7 @@ class TopkInputs:
         self.logits = torch.empty((rows if one_chunk else step, self.width), dtype=torch.float32, device=device)
         self.call = LogitsCall(self.seq_lens, self.page_table, self.width, self.logits) if one_chunk else None
         self.query = None  # the rotated queries' and head weights' buffers, made by the first layer's query
+        self.query_store = None  # the query and key store's bound call, made by the first layer that stores keys
 
     def query_out(self, heads: int, head_dim: int) -> tuple:
         """The forward's buffers of ``index_query_bf16``'s outputs: bf16 [rows, heads, dim], fp32 [rows, heads, 1]."""
@@ -200,6 +238,17 @@ class TopkInputs:
             self.query = (torch.empty((self.rows, heads, head_dim), dtype=torch.bfloat16, device=device),
                           torch.empty((self.rows, heads, 1), dtype=torch.float32, device=device))
         return self.query
+
+    def query_store_call(self, positions: torch.Tensor, keys: "CompressedKeys", heads: int, head_dim: int) -> QueryStoreCall:
+        """The forward's bound query-and-store call (:class:`QueryStoreCall`) for these positions and store
+        targets: made by the first layer, checked by each (its positions are a new view of the same rows)."""
+        call = self.query_store
+        if (call is None or call.out_loc is not keys.out_loc or call.plan is not keys.plan or call.mode != keys.mode
+                or call.positions.data_ptr() != positions.data_ptr() or call.positions.shape != positions.shape
+                or call.out is not self.query_out(heads, head_dim)):
+            call = self.query_store = QueryStoreCall(positions, self.query_out(heads, head_dim), keys.out_loc,
+                                                     keys.plan, keys.mode, C4_RATIO)
+        return call
 
     def serves(self, im, core, rows: int, step: int) -> bool:
         """Whether these inputs were made from this metadata's tensors for these rows."""
