@@ -160,13 +160,13 @@ def test_pd_checksum_waits_for_an_early_send_event():
 
 def test_warmup_leaves_no_compile_for_requests():
     """After compile_for_serving, new request shapes launch only kernels Triton already holds."""
-    from dsv4_sm120.kernels import index_k_store, index_query, mqa_logits, page_checksum, warmup
+    from dsv4_sm120.kernels import index_k_store, index_query, mqa_logits, page_checksum, query_store, warmup
 
     first = warmup.compile_for_serving("cuda", heads=H, checksum=True)
     assert first["variants"] == warmup.SERVING_VARIANTS + 1
     assert warmup.compile_for_serving("cuda", heads=H, checksum=True)["compiled"] == 0
     kernels = (mqa_logits._logits_kernel, index_k_store._store_kernel, index_query._query_kernel,
-               page_checksum._checksum_kernel)
+               query_store._query_store_kernel, page_checksum._checksum_kernel)
     before = sum(len(k.device_caches[torch.cuda.current_device()][0]) for k in kernels)
     gen = torch.Generator(device="cuda").manual_seed(1)
     for rows, width in ((3, 1000), (17, 4097), (1100, 333)):
