@@ -9,7 +9,8 @@ set is several times that): on the host with HiCache, recomputed without.
 
 Servers, all with decode CUDA graphs and the same device pool, started at once, each driven alone in turn:
 ``hc_off`` (no HiCache), ``hc_bf16`` (HiCache, bf16 keys, the package's default switches), ``hc_bf16_checksum``
-(the same with ``DSV4_SM120_INDEX_K_CHECKSUM=1``), ``hc_fp8`` (HiCache, fp8 keys); and two PD pairs over NIXL
+(the same with ``DSV4_SM120_INDEX_K_CHECKSUM=1``), ``hc_fp8`` (HiCache, fp8 keys), ``hc_bf16_again`` (``hc_bf16``
+once more: the same-configuration ratio is the floor under the others); and two PD pairs over NIXL
 behind the router, a prefill with HiCache and a decode with graphs (the incident's configuration): the fixes on
 (defaults) and off (``DSV4_SM120_NIXL_HARDENING=0``, ``DSV4_SM120_COLLECTIVE_GUARD=0``).
 
@@ -49,6 +50,9 @@ SINGLES = {
     "hc_bf16": ("bf16", _HICACHE, {}),
     "hc_bf16_checksum": ("bf16", _HICACHE, {"DSV4_SM120_INDEX_K_CHECKSUM": "1"}),
     "hc_fp8": ("fp8", _HICACHE, {}),
+    # hc_bf16 again, started beside it: what two servers of one configuration differ by on this host (the floor
+    # under every ratio below; the first panel's servers differed by more than the bars)
+    "hc_bf16_again": ("bf16", _HICACHE, {}),
 }
 PAIRS = {"pd": {}, "pd_fixes_off": {"DSV4_SM120_NIXL_HARDENING": "0", "DSV4_SM120_COLLECTIVE_GUARD": "0"}}
 PAIR_SHAPE = {
@@ -58,8 +62,11 @@ PAIR_SHAPE = {
     "decode": ({**_SERVER, "max_total_tokens": 4 * POOL}, _EVERY),
 }
 # (name, numerator, denominator, figure): what the bars hold, per level
-RATIOS = (("hicache_ttft_p50_gain_bf16", "hc_off", "hc_bf16", "ttft_p50_s"),
+RATIOS = (("same_config_throughput", "hc_bf16_again", "hc_bf16", "output_tokens_per_s"),
+          ("same_config_ttft_p50", "hc_bf16_again", "hc_bf16", "ttft_p50_s"),
+          ("hicache_ttft_p50_gain_bf16", "hc_off", "hc_bf16", "ttft_p50_s"),
           ("checksum_throughput", "hc_bf16_checksum", "hc_bf16", "output_tokens_per_s"),
+          ("checksum_ttft_p50", "hc_bf16_checksum", "hc_bf16", "ttft_p50_s"),
           ("bf16_vs_fp8_throughput", "hc_bf16", "hc_fp8", "output_tokens_per_s"),
           ("pd_fixes_on_vs_off_throughput", "pd", "pd_fixes_off", "output_tokens_per_s"))
 
@@ -83,11 +90,15 @@ def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def summarize(runs: list[dict]) -> dict:
-    """Per target and level, each figure's median over the rounds with its min-max; the bars' ratios per round."""
+def summarize(runs: list[dict], rounds: tuple[int, ...] | None = None) -> dict:
+    """Per target and level, each figure's median over the rounds with its min-max; the bars' ratios per round.
+    ``rounds``: the timed rounds to take (default every one); a record's table over some of its rounds is
+    ``summarize(record["results"]["runs"], rounds=(2, 3))``."""
+    rounds = tuple(range(1, REPETITIONS + 1)) if rounds is None else tuple(rounds)
+    runs = [r for r in runs if r["round"] in rounds]
     table: dict = {}
     for r in runs:
-        if r["round"] > 0 and "error" not in r["level"]:
+        if "error" not in r["level"]:
             table.setdefault(r["target"], {}).setdefault(str(r["concurrency"]), []).append(r["level"])
     out = {t: {c: {f: _spread([lv.get(f) for lv in levels]) for f in FIGURES} for c, levels in by_c.items()}
            for t, by_c in table.items()}
@@ -95,7 +106,7 @@ def summarize(runs: list[dict]) -> dict:
     for name, num, den, figure in RATIOS:
         for c in CONCURRENCY:
             per_round = []
-            for rnd in range(1, REPETITIONS + 1):
+            for rnd in rounds:
                 a = [r["level"].get(figure) for r in runs if (r["target"], r["concurrency"], r["round"]) == (num, c, rnd)
                      and "error" not in r["level"]]
                 b = [r["level"].get(figure) for r in runs if (r["target"], r["concurrency"], r["round"]) == (den, c, rnd)
