@@ -46,6 +46,13 @@ def leftovers(cluster, only=None) -> dict[str, float]:
     return out
 
 
+def released(cluster, since: float, timeout: float, only=None) -> tuple[dict[str, float], float | None]:
+    """:func:`settle`, and the seconds from ``since`` (a ``time.monotonic()``) to the poll that first found nothing
+    left: None when something was still held at ``timeout`` (the wait gave up; what is left says what)."""
+    left = settle(cluster, timeout, only)
+    return left, None if left else round(time.monotonic() - since, 1)
+
+
 def settle(cluster, timeout: float = 90.0, only=None) -> dict[str, float]:
     """Wait until nothing is left (or ``timeout``); what is still left then (empty: clean)."""
     deadline = time.monotonic() + timeout

@@ -19,7 +19,9 @@ def kill_decode_mid_storm(cli: list[str], c, out_path, client: tuple, kill_after
     """An 80-session storm (one round, storm-client options ``client``) by ``cli`` through the front; the decode
     killed ``kill_after_s`` in; then, each wait bounded: the prefill letting go of everything (``release_s``),
     the storm client's end (``storm_s``), the same decode started again (``startup_s``) and a chat through the
-    front (``serve_s``; the answer 200, or why none came). The figures; nothing is asserted."""
+    front (``serve_s``; the answer 200, or why none came). The figures; nothing is asserted.
+    ``prefill_released_after_s`` is when the prefill was first seen holding nothing (polled every 2 s), None
+    when it still held something at ``release_s`` (``prefill_leftovers`` then says what)."""
     storm = subprocess.Popen([*cli, "storm-client", "--base-url", c.front, "--model", "tiny", "--sessions", "80",
                               "--rounds", "1", *client, "--out", str(out_path)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -28,8 +30,7 @@ def kill_decode_mid_storm(cli: list[str], c, out_path, client: tuple, kill_after
         c.decode.kill9()
         killed_at = time.monotonic()
         prefill_health = checks.health(c)["prefill"]
-        left = checks.settle(c, timeout=release_s, only=[c.prefill])
-        released_s = round(time.monotonic() - killed_at, 1)
+        left, released_s = checks.released(c, killed_at, release_s, only=[c.prefill])
         log = c.prefill.log.read_text(errors="replace")
         reasons = sorted({line.split("]", 1)[-1].strip()[:160] for line in log.splitlines()
                           if "Failed" in line or "failed" in line or "abort" in line.lower()})[-8:]

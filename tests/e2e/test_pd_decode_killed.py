@@ -28,6 +28,7 @@ def test_decode_killed_mid_storm_prefill_lets_go_and_serves_a_new_decode(cluster
         record("e: decode killed", results.suite_fix(), **seen)
         assert seen["prefill_health_after_kill"] == 200
         assert seen["prefill_leftovers"] == {}, f"the prefill still holds after the decode died: {seen['prefill_leftovers']}"
+        assert seen["prefill_released_after_s"] is not None  # when it let go, not when the wait gave up
         assert seen["request_after_new_decode"] == 200 and set(seen["health"].values()) == {200}, seen
         assert seen["leaks_end"] == {}, seen["leaks_end"]
     finally:

@@ -266,3 +266,17 @@ def test_the_sets_agent_turns_render_in_dsv4s_chat_encoding_within_the_servers_c
         lengths.append(len(recipe.encode({"messages": payload["messages"], "tools": payload["tools"], "thinking": False})))
         session.advance(args.turn_words, args.max_history_words, args.seed)
     assert 4096 < lengths[0] and max(lengths) < module.PAIR_SHAPE["prefill"][0]["context_length"], lengths
+
+
+def test_a_release_is_timed_when_it_happens_and_not_when_the_wait_gives_up(monkeypatch):
+    from tests.e2e import checks
+
+    held = iter([{"rooms@prefill": 2.0}, {"rooms@prefill": 1.0}, {}])
+    monkeypatch.setattr(checks, "leftovers", lambda cluster, only=None: next(held))
+    monkeypatch.setattr(checks.time, "sleep", lambda s: None)
+    left, after = checks.released(None, time.monotonic() - 5.0, timeout=60.0)
+    assert left == {} and after is not None and after >= 5.0
+
+    monkeypatch.setattr(checks, "leftovers", lambda cluster, only=None: {"rooms@prefill": 1.0})
+    left, after = checks.released(None, time.monotonic(), timeout=0.0)
+    assert left == {"rooms@prefill": 1.0} and after is None
