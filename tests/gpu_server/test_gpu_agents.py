@@ -1,0 +1,56 @@
+"""The bars of the low/high-concurrency panel on real figures: ``python -m bench.gpu_server run agents``.
+
+``flash12`` servers (HiCache off; HiCache with bf16 keys, twice; the same with the checksum; HiCache with fp8
+keys) and two PD pairs (fixes on, off) under the agent workload at C=4 and C=64, in shuffled rounds. Each bar
+is held on the median of the per-round ratios. On a CUDA host with the pin this runs the set (about fifteen
+minutes); ``DSV4_GPU_AGENTS_JSON=<record>`` asserts on a record a run wrote instead. Selected with ``-m gpu``;
+without a CUDA device and no record it fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.gpu_server import agents
+from tests.gpu_server import gpu_record
+
+pytestmark = pytest.mark.gpu
+LEVELS = [str(c) for c in agents.CONCURRENCY]
+
+
+@pytest.fixture(scope="module")
+def record() -> dict:
+    return gpu_record.results("DSV4_GPU_AGENTS_JSON", "agents", "--mem-fraction", "0.85")
+
+
+def _ratio(record: dict, name: str, level: str) -> float:
+    value = record["ratios"][name][level]["median"]
+    assert value is not None, f"{name} at C={level}: no round gave both figures"
+    return value
+
+
+def test_every_level_was_served_in_full(record):
+    for run in record["runs"]:
+        level = run["level"]
+        assert "error" not in level, (run["target"], run["round"], level.get("error"))
+        assert level["failed"] == 0 and level["served"] == level["sessions"], (run["target"], run["round"])
+
+
+def test_hicache_with_bf16_keys_lowers_ttft_at_high_concurrency(record):
+    assert _ratio(record, "hicache_ttft_p50_gain_bf16", "64") > 1.0
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_the_pd_fixes_cost_at_most_one_percent_of_throughput(record, level):
+    assert _ratio(record, "pd_fixes_on_vs_off_throughput", level) >= 0.99
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_bf16_keys_with_hicache_cost_at_most_three_percent_against_fp8(record, level):
+    assert _ratio(record, "bf16_vs_fp8_throughput", level) >= 0.97
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_the_checksum_costs_at_most_three_percent_of_throughput_and_five_of_ttft(record, level):
+    assert _ratio(record, "checksum_throughput", level) >= 0.97
+    assert _ratio(record, "checksum_ttft_p50", level) <= 1.05
