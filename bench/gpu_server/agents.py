@@ -57,6 +57,9 @@ SINGLES = {
     "hc_bf16_again": ("bf16", _HICACHE, {}),
 }
 PAIRS = {"pd": {}, "pd_fixes_off": {"DSV4_SM120_NIXL_HARDENING": "0", "DSV4_SM120_COLLECTIVE_GUARD": "0"}}
+# the targets to start (comma-separated names of SINGLES and PAIRS; default all): the five singles alone fit a GPU of
+# 80 GB, the pairs beside them need about 100 GB
+TARGETS = [n for n in os.environ.get("DSV4_GPU_AGENT_TARGETS", "").split(",") if n] or [*SINGLES, *PAIRS]
 PAIR_SHAPE = {
     "model": "flash12",
     "env": {},
@@ -74,8 +77,11 @@ RATIOS = (("same_config_throughput", "hc_bf16_again", "hc_bf16", "output_tokens_
 
 
 def specs(tokenizer: Path) -> list[ServerSpec]:
+    unknown = set(TARGETS) - set(SINGLES) - set(PAIRS)
+    if unknown:
+        raise ValueError(f"DSV4_GPU_AGENT_TARGETS names {sorted(unknown)}; the set has {[*SINGLES, *PAIRS]}")
     return [ServerSpec(name, "flash12", "dsv4", index_k=keys, tokenizer=tokenizer, extra_args=_EVERY + args,
-                       extra_env=env, **_SERVER) for name, (keys, args, env) in SINGLES.items()]
+                       extra_env=env, **_SERVER) for name, (keys, args, env) in SINGLES.items() if name in TARGETS]
 
 
 def agent(front: str, metrics_url: str, concurrency: int, out: Path) -> dict:
@@ -129,7 +135,9 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
             if mem_fraction is not None:
                 spec.mem_fraction = mem_fraction
             started.append(start(spec, models_root, log_dir))
-        for tag, switches in PAIRS.items():
+        pair_tags = [tag for tag in PAIRS if tag in TARGETS]
+        for tag in pair_tags:
+            switches = PAIRS[tag]
             pairs.append(pd.start_pair(f"_{tag}", switches, models_root, tokenizer, log_dir, mem_fraction, PAIR_SHAPE))
         for s in started:
             servers[s.spec.name] = {"launch": launch_line(s)}
@@ -147,7 +155,7 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
         if ready is not None:
             ready()
         targets = {s.spec.name: (s.url, s.url) for s in started}
-        targets |= {tag: (p.cluster.front, p.cluster.prefill.url) for tag, p in zip(PAIRS, pairs)}
+        targets |= {tag: (p.cluster.front, p.cluster.prefill.url) for tag, p in zip(pair_tags, pairs)}
         runs: list[dict] = out.setdefault("runs", [])  # in the record as they come: a stopped run keeps its levels
         out["order"] = []
         for rnd in range(REPETITIONS + 1):  # round 0: the untimed warm-up level on each target
@@ -163,7 +171,7 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
                     out["order"].append(f"r{rnd}:{name}:C{c}")
     finally:
         out["workload"] = {"agent_bench": list(AGENT), "concurrency": list(CONCURRENCY), "rounds": REPETITIONS,
-                           "device_pool_tokens": POOL}
+                           "device_pool_tokens": POOL, "targets": list(TARGETS)}
         out.update(summarize(out.get("runs", [])))  # over the levels that ran, also when the run was stopped
         for s in started:
             s.proc.stop()

@@ -280,3 +280,17 @@ def test_a_release_is_timed_when_it_happens_and_not_when_the_wait_gives_up(monke
     monkeypatch.setattr(checks, "leftovers", lambda cluster, only=None: {"rooms@prefill": 1.0})
     left, after = checks.released(None, time.monotonic(), timeout=0.0)
     assert left == {"rooms@prefill": 1.0} and after is None
+
+
+def test_an_agents_run_of_some_targets_starts_only_those(standins, monkeypatch, tmp_path):
+    monkeypatch.setattr(agents, "AGENT", ("--sessions", "4", "--groups", "2", "--prefix-words", "10", "--turns", "1",
+                                          "--max-tokens", "4"))
+    monkeypatch.setattr(agents, "REPETITIONS", 1)
+    monkeypatch.setattr(agents, "TARGETS", ["hc_bf16", "hc_bf16_checksum"])
+    out = tmp_path / "agents.json"
+    assert run.main(["agents", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"]) == 0
+    record = json.loads(out.read_text())
+    assert set(record["servers"]) == {"hc_bf16", "hc_bf16_checksum"}  # no PD pair on the GPU
+    assert {o.split(":")[1] for o in record["results"]["order"]} == {"hc_bf16", "hc_bf16_checksum"}
+    assert record["results"]["ratios"]["checksum_throughput"]["64"]["n"] == 1
+    assert record["results"]["workload"]["targets"] == ["hc_bf16", "hc_bf16_checksum"]
