@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.index_k import cpu_page_mover
+from tests.index_k.host_sync import NoHostSync
 from tests.index_k.pool_harness import SLOTS_PER_FULL_PAGE
 from tests.index_k.test_hicache import index_host, round_trip
 
@@ -229,20 +230,6 @@ def test_pages_with_no_checksum_on_record_are_not_counted_as_checked(stacks, mon
     assert COUNTERS["pages_unrecorded"] - before["pages_unrecorded"] == 2 * host.layer_num
 
 
-class _NoHostSync(torch.overrides.TorchFunctionMode):
-    """Fails on every tensor call that makes the host wait for a GPU (a value, a host copy, a sized result)."""
-
-    WAITS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
-             torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero,
-             torch.nonzero, torch.Tensor.unique, torch.unique, torch.masked_select, torch.Tensor.masked_select}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self.WAITS or (func is torch.Tensor.to and "cpu" in map(str, (*args[1:], *kwargs.values()))):
-            raise AssertionError(f"host synchronization in the copy path or the forward: {func}")
-        return func(*args, **kwargs)
-
-
 def test_no_host_synchronization_in_the_copy_path_or_the_indexer_read(stacks, monkeypatch):
     """Backup, load and the indexer-side check only queue GPU work: any call that makes the host wait fails
     here (a torch-function mode watching every tensor call of the package and of upstream's host pool)."""
@@ -259,7 +246,7 @@ def test_no_host_synchronization_in_the_copy_path_or_the_indexer_read(stacks, mo
 
         monkeypatch.setattr(memory_pool_host, name, unwatched)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: pytest.fail("torch.cuda.synchronize called"))
-    with _NoHostSync():
+    with NoHostSync():
         host.backup_from_device_all_layer(device_pool, _slots([40]), _slots([13]), "kernel")
         slot = ledger.counter.update_producer()
         for layer in range(host.layer_num):

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.index_k import cpu_page_mover, test_integrity
+from tests.index_k.host_sync import NoHostSync
 from tests.index_k.pool_harness import SLOTS_PER_FULL_PAGE
 from tests.index_k.test_hicache import index_host
 
@@ -248,7 +249,7 @@ def test_with_nothing_quarantined_the_scheduler_hooks_read_no_tensor(stack):
     batch = _batch(result, {"a": [20, 21], "b": [22]}, fresh_pages=[30, 31])
     plan = SimpleNamespace(batch_to_run=batch)
     scheduler = SimpleNamespace(tree_cache=None, chunked_req=None, _pending_chunked_abort_req=None)
-    with test_integrity._NoHostSync():
+    with NoHostSync():
         assert request_fail.get_new_batch_prefill(lambda *a, **k: plan, scheduler) is plan
         assert request_fail.fail_affected_requests(batch) == []
     assert all(req.discard_output_reason is None for req in batch.reqs)

@@ -6,7 +6,8 @@ Receiver and bootstrap server, real NIXL agents over UCX DRAM-to-DRAM on
 like bf16 index-K page rows (16384 B) and both sides' PD layout tagged
 ``index_k:bf16``, as a bf16 DSV4 pool registers them. Only the model is absent:
 the pages hold random bytes. The checksum runs on CPU tensors (the kernel's torch
-reference); its CUDA path on VRAM is tested in tests/kernels/test_gpu.py (-m gpu).
+reference); its CUDA path on VRAM (a side stream, a pinned copy behind an event) is
+tested here and in tests/kernels/test_gpu.py (-m gpu).
 
 The hooks are registered as ``load_plugins`` registers them with the switch on;
 ``DSV4_SM120_INDEX_K_CHECKSUM=0 pytest tests/index_k/test_pd_integrity.py``
@@ -21,9 +22,11 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from dsv4_sm120.index_k import layout, pd_integrity
 from tests.index_k import pool_harness
+from tests.index_k.host_sync import NoHostSync
 from dsv4_sm120.index_k.pd_integrity import FrameError, PageSums, encode_frame, parse_frame
 
 INDEX_K_LAYERS = 2
@@ -57,6 +60,17 @@ def sides(pd):
 
     yield set_sides
     set_sides(False, False)
+
+
+@pytest.fixture
+def landing(monkeypatch):
+    """Every queued sum stays "on its way" (what its CUDA event answers before the copy landed) until the test
+    sets ``landing.landed``; on CPU tensors they land at once."""
+    from types import SimpleNamespace
+
+    held = SimpleNamespace(landed=False)
+    monkeypatch.setattr(pd_integrity.SumsInFlight, "ready", lambda self: held.landed)
+    return held
 
 
 def _counters():
@@ -162,6 +176,90 @@ def test_corrupt_page_fails_the_room_with_page_layer_and_switch(pd, sides, caplo
     assert any(f"destination page={int(s.dst[4])}" in r.getMessage() for r in caplog.records)
     s.decode_state = KVPoll.Failed
     _finish(pd, s)
+
+
+def test_the_send_and_the_first_received_poll_only_queue_their_sums(pd, sides, landing, caplog):
+    """Neither scheduler thread waits for the GPU (a wait at the send serializes the overlap scheduler behind
+    the forward in flight): the prefill's send (the real hook, called in this thread) and the decode's first
+    Success poll only queue the sums, and any tensor call that makes the host wait fails here. The prefill
+    reads its sums in its transfer thread, the decode at a poll once they landed."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    sides(True, True)
+    before = _counters()
+    s = pd.open(n_pages=6)
+    with caplog.at_level(logging.ERROR, logger="dsv4_sm120.index_k.pd_integrity"), NoHostSync():
+        _transfer(pd, s)
+    # the send hook logs what its checksum raised and sends the room unchecked
+    assert [f"{r.getMessage()}: {r.exc_info and r.exc_info[1]}" for r in caplog.records] == []
+    with NoHostSync():
+        assert s.receiver.poll() == KVPoll.Transferring
+    landing.landed = True
+    assert s.receiver.poll() == KVPoll.Success
+    _finish(pd, s)
+    assert s.decode_state == KVPoll.Success and pd.verify(s)
+    assert _delta(before) == {"pd_pages_recorded": 6 * INDEX_K_LAYERS, "pd_pages_checked": 6 * INDEX_K_LAYERS}
+
+
+def test_a_room_answers_transferring_until_its_received_sums_land_then_its_verdict(pd, sides, landing, monkeypatch):
+    """After upstream's Success the decode's polls answer Transferring while the received rows' sums are on their
+    way (queued once, at the first Success poll; nothing counted yet), then the verdict as before: here Failed,
+    sticky, for one flipped byte in a received page."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import KVTransferError
+
+    sides(True, True)
+    s = pd.open(n_pages=6)
+    _transfer(pd, s)
+    queued, queue = [], pd_integrity._queue_sums
+    monkeypatch.setattr(pd_integrity, "_queue_sums", lambda *a, **k: queued.append(a) or queue(*a, **k))
+    _index_k(pd, "dst")[0][int(s.dst[2]), 5] ^= 0x01
+    before = _counters()
+    assert [s.receiver.poll() for _ in range(3)] == [KVPoll.Transferring] * 3
+    assert len(queued) == 1 and _delta(before) == {}
+    assert pd.decode.check_status(s.room) == KVPoll.Success  # upstream's state, untouched while the sums travel
+    landing.landed = True
+    assert s.receiver.poll() == KVPoll.Failed
+    assert s.receiver.poll() == KVPoll.Failed  # sticky
+    assert len(queued) == 1
+    assert _delta(before) == {"pd_pages_checked": 6 * INDEX_K_LAYERS, "pd_mismatches": 1, "pd_rooms_failed": 1}
+    with pytest.raises(KVTransferError, match=f"page {int(s.dst[2])} index-K layer 0"):
+        s.receiver.failure_exception()
+    s.decode_state = KVPoll.Failed
+    _finish(pd, s)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_sums_are_queued_behind_the_forward_and_read_once_landed():
+    """The CUDA path on registered VRAM (no sglang needed): the sums run on the side stream after the current
+    stream's work and after an early send's event, and are queued while that forward still runs, with no call
+    that makes the host wait; read once landed, they are those of the final bytes."""
+    from types import SimpleNamespace
+
+    from dsv4_sm120.kernels.page_checksum import page_checksum_ref
+
+    rows = [torch.zeros(64, layout.BF16_PAGE_ROW_BYTES, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    kv_args = SimpleNamespace(kv_item_lens=[r.shape[1] for r in rows], kv_data_ptrs=[r.data_ptr() for r in rows],
+                              kv_data_lens=[r.numel() for r in rows], kv_data_mem_kinds=["VRAM"] * 2,
+                              gpu_id=rows[0].device.index or 0)
+    pages, positions = np.array([7, 3, 7]), np.array([10, 11, 12])
+    pd_integrity._queue_sums(kv_args, [0, 1], pages, positions).value()  # compile before the race, not in it
+    forward = torch.cuda.Stream()
+    with torch.cuda.stream(forward):  # the prior forward of an early send
+        torch.cuda._sleep(1_000_000_000)  # about half a second of GPU time before its write lands
+        rows[0][7].fill_(9)
+        done = torch.cuda.Event()
+        done.record(forward)
+    torch.cuda._sleep(1_000_000_000)  # the current stream's own write, queued before the send
+    rows[1][3].fill_(5)
+    with NoHostSync():
+        sums = pd_integrity._queue_sums(kv_args, [0, 1], pages, positions, wait_event=done)
+    assert not done.query() and not sums.ready()
+    got = sums.value()
+    want = torch.stack([page_checksum_ref(r.cpu()[torch.as_tensor(pages)]) for r in rows]).numpy()
+    assert np.array_equal(got, want) and np.array_equal(sums.positions, positions)
+    assert got[0, 0] != page_checksum_ref(torch.zeros(1, layout.BF16_PAGE_ROW_BYTES, dtype=torch.uint8))[0]
 
 
 @pytest.mark.parametrize("prefill_on, decode_on", [(True, False), (False, True)])

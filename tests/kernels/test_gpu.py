@@ -128,10 +128,10 @@ def test_pd_checksum_reads_registered_vram_pages_by_pointer():
     pages = torch.randint(0, 256, (300, 16384), dtype=torch.uint8, device="cuda")
     kv_args = _registered_vram(pages)
     order = np.array([5, 0, 299, 17, 128])
-    got = pd_integrity._checksums(kv_args, 0, order)
+    got = pd_integrity._queue_sums(kv_args, [0], order, order).value()[0]
     assert np.array_equal(got, page_checksum_ref(pages.cpu()[torch.as_tensor(order)]).numpy())
     pages[17, 1234] ^= 1
-    moved = pd_integrity._checksums(kv_args, 0, order) != got
+    moved = pd_integrity._queue_sums(kv_args, [0], order, order).value()[0] != got
     assert moved.tolist() == [False, False, False, True, False]
 
 
@@ -145,7 +145,8 @@ def test_pd_checksum_waits_for_an_early_send_event():
 
     pages = torch.zeros(64, 16384, dtype=torch.uint8, device="cuda")
     kv_args = _registered_vram(pages)
-    pd_integrity._checksums(kv_args, 0, np.array([0]))  # compile the kernel before the race, not during it
+    first = np.array([0])
+    pd_integrity._queue_sums(kv_args, [0], first, first).value()  # compile the kernel before the race, not during it
     torch.cuda.synchronize()
     forward = torch.cuda.Stream()
     with torch.cuda.stream(forward):
@@ -153,7 +154,7 @@ def test_pd_checksum_waits_for_an_early_send_event():
         pages[7].fill_(9)
         done = torch.cuda.Event()
         done.record(forward)
-    got = pd_integrity._checksums(kv_args, 0, np.array([7]), wait_event=done)
+    got = pd_integrity._queue_sums(kv_args, [0], np.array([7]), np.array([7]), wait_event=done).value()[0]
     final = torch.full((1, 16384), 9, dtype=torch.uint8)
     assert np.array_equal(got, page_checksum_ref(final).numpy())
 

@@ -243,6 +243,17 @@ MUTATIONS: tuple[Mutation, ...] = (
       (E(INDEX_K + "pd_integrity.py", "        if not bad:\n            return KVPoll.Success",
          "        if True:\n            return KVPoll.Success"),),
       ("tests/index_k/test_pd_integrity.py::test_corrupt_page_fails_the_room_with_page_layer_and_switch",)),
+    M("host-wait-in-the-pd-send", "fix 2: the prefill's send only queues its index-K sums (no wait for the forward)",
+      (E(INDEX_K + "pd_integrity.py",
+         "        sums = _queue_sums(manager.kv_args, self.buffers, pages, positions, wait_event)\n",
+         "        sums = _queue_sums(manager.kv_args, self.buffers, pages, positions, wait_event)\n"
+         "        sums.value()\n"),),
+      ("tests/index_k/test_pd_integrity.py::test_the_send_and_the_first_received_poll_only_queue_their_sums",)),
+    M("host-wait-in-the-pd-receive-poll", "fix 2: the decode's poll answers Transferring until the received sums land",
+      (E(INDEX_K + "pd_integrity.py", "        if not received.got.ready():\n",
+         "        if received.got.value() is None:\n"),),
+      ("tests/index_k/test_pd_integrity.py::test_the_send_and_the_first_received_poll_only_queue_their_sums",
+       "tests/index_k/test_pd_integrity.py::test_a_room_answers_transferring_until_its_received_sums_land_then_its_verdict")),
     # --- fix 3: NIXL bootstrap hardening ---------------------------------------------------------
     M("switch-nixl-hardening-ignored", "switch DSV4_SM120_NIXL_HARDENING=0: no disagg hook is registered",
       (E(DISAGG + "hooks.py", "    if not cfg.nixl_hardening:\n        return\n", "    if False:\n        return\n"),),

@@ -7,20 +7,21 @@ degrades. With ``DSV4_SM120_INDEX_K_CHECKSUM=1`` each side of a NIXL PD pair
 does its half, on the pin's own control messages:
 
 * prefill, when a room's chunk is queued (``NixlKVManager.add_transfer_request``):
-  checksums the index-K page rows of the chunk's source pages, together with
-  their positions in the decode's destination page list (the chunk's
-  ``index_slice``, which is how the transfer worker pairs them). The source
-  pages stay unchanged until the transfer concludes, so these are the bytes NIXL
-  sends.
+  queues the checksums of the index-K page rows of the chunk's source pages,
+  together with their positions in the decode's destination page list (the
+  chunk's ``index_slice``, which is how the transfer worker pairs them). The
+  source pages stay unchanged until the transfer concludes, so these are the
+  bytes NIXL sends.
 * prefill, when the room's ``Success`` status is encoded
-  (``_encode_kv_status_message``): appends the sums as one extra frame, after an
-  empty failure-reason frame. Upstream's parser reads the room, status, rank and
-  reason frames only, so an unmodified decode pairs as before.
+  (``_encode_kv_status_message``): reads the sums and appends them as one extra
+  frame, after an empty failure-reason frame. Upstream's parser reads the room,
+  status, rank and reason frames only, so an unmodified decode pairs as before.
 * decode: keeps the frame per room when it parses the status
   (``parse_kv_status_message``; never raises there, it runs on the listener
   thread), remembers each receiver's destination pages (``send_metadata``), and
-  when the receiver's poll first answers ``Success`` checksums the received rows
-  at those pages. A mismatch, or a checksum frame that does not parse, records a
+  when the receiver's poll first answers ``Success`` queues the checksums of the
+  received rows at those pages; its polls answer ``Transferring`` until they have
+  landed, then compare. A mismatch, or a checksum frame that does not parse, records a
   failure reason naming the room, page, layer and switch, increments
   :data:`~dsv4_sm120.index_k.integrity.COUNTERS` and answers ``Failed``: the
   decode's own failure path aborts the request before it is admitted, and its
@@ -32,6 +33,12 @@ heterogeneous TP) is logged once per peer and its rooms run unchecked. Index-K
 buffers are the registered KV buffers whose item is one 16384-byte bf16 page
 row, on a manager whose PD layout carries ``index_k:bf16``. The checksum is the
 kernels area's ``page_checksum`` (Triton on CUDA, its torch reference on CPU).
+
+Neither side makes its scheduler thread wait for the GPU: on CUDA the sums run on a
+side stream of the rows' device and reach pinned host memory behind an event
+(:class:`SumsInFlight`); the host reads them only where they are needed (the
+prefill's transfer thread, long after the forward; the decode's poll once the
+event has completed).
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ _HEADER = struct.Struct("<II")  # index-K buffers, pages
 _STATE = "_dsv4_pd_index_k"
 _DST = "_dsv4_index_k_dst_pages"
 _CHECKED = "_dsv4_index_k_checked"
+_RECEIVED = "_dsv4_index_k_received_sums"
 
 logger = logging.getLogger("dsv4_sm120.index_k.pd_integrity")
 
@@ -124,17 +132,78 @@ def _page_rows(kv_args, i: int):
     return torch.as_tensor(_Device(), device=f"cuda:{kv_args.gpu_id}")
 
 
-def _checksums(kv_args, i: int, pages: np.ndarray, wait_event=None) -> np.ndarray:
+@dataclass(frozen=True)
+class SumsInFlight:
+    """Checksums [buffers, n] of page rows at ``positions``, queued: the host reads them with :meth:`value`."""
+
+    positions: np.ndarray  # int64 [n]
+    sums: object  # int64 torch tensor [buffers, n]: pinned host memory a non-blocking copy fills, or a CPU result
+    landed: object  # the CUDA event recorded behind that copy; None off CUDA (computed at once)
+
+    def ready(self) -> bool:
+        """Whether :meth:`value` returns without waiting for the GPU."""
+        return self.landed is None or self.landed.query()
+
+    def value(self) -> np.ndarray:
+        """The sums, waiting for their copy if it has not landed: called only where the host may wait."""
+        if self.landed is not None:
+            self.landed.synchronize()
+        return self.sums.numpy()
+
+
+_side_streams: dict = {}
+
+
+def _side_stream(device):
+    """The device's checksum stream, made once: the sums neither wait behind later forwards nor hold them up."""
     import torch
 
+    with _lock:
+        if device not in _side_streams:
+            _side_streams[device] = torch.cuda.Stream(device)
+        return _side_streams[device]
+
+
+def _queue_sums(kv_args, buffers: list[int], pages: np.ndarray, positions: np.ndarray,
+                wait_event=None) -> SumsInFlight:
+    """Queue the checksums of rows ``pages`` of each registered buffer; the host waits for nothing here.
+
+    On CUDA they run on the device's side stream after all the current stream has queued (the forward that
+    writes the pages) and after ``wait_event`` (an early send is queued before the prior forward finished
+    writing them), and go to pinned host memory behind an event. Off CUDA they are computed at once.
+    """
+    import torch
+
+    from dsv4_sm120.index_k.integrity import on_device
     from dsv4_sm120.kernels.page_checksum import page_checksum
 
-    rows = _page_rows(kv_args, i)
-    if rows.is_cuda and wait_event is not None:
-        # An early send is queued before the prior forward finished writing these pages.
-        torch.cuda.current_stream(rows.device).wait_event(wait_event)
-    index = torch.as_tensor(np.asarray(pages, dtype=np.int64), device=rows.device)
-    return page_checksum(rows.index_select(0, index)).cpu().numpy()
+    rows = [_page_rows(kv_args, i) for i in buffers]
+    index = torch.as_tensor(np.asarray(pages, dtype=np.int64))
+    device = rows[0].device
+    if device.type != "cuda":
+        return SumsInFlight(positions, torch.stack([page_checksum(r.index_select(0, index)) for r in rows]), None)
+    side = _side_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    if wait_event is not None:
+        side.wait_event(wait_event)
+    with torch.cuda.stream(side):
+        index = on_device(device, index)
+        sums = torch.stack([page_checksum(r.index_select(0, index)) for r in rows])
+        host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+        host.copy_(sums, non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record(side)
+    return SumsInFlight(positions, host, landed)
+
+
+@dataclass(frozen=True)
+class _Received:
+    """A room's received rows, per prefill rank (its columns of ``got``), and their sums on their way."""
+
+    ranks: list[tuple[int, slice]]
+    pages: np.ndarray  # int64 [n]: destination pages
+    expected: np.ndarray  # int64 [buffers, n]: what the prefill ranks sent
+    got: SumsInFlight
 
 
 class PDIndexK:
@@ -145,7 +214,7 @@ class PDIndexK:
         self.enabled = bool(self.buffers)
         self.layer_ids = list(getattr(manager.kv_args, "kv_layer_ids", None) or [])
         self.lock = threading.Lock()
-        self.sent: dict[int, list[PageSums] | None] = {}  # prefill: room -> chunks' sums (None: unsendable)
+        self.sent: dict[int, list[SumsInFlight] | None] = {}  # prefill: room -> chunks' sums (None: unsendable)
         self.received: dict[int, dict[int, PageSums | FrameError]] = {}  # decode: room -> prefill rank -> sums
         self.logged: set[str] = set()
         if self.enabled:
@@ -181,20 +250,21 @@ class PDIndexK:
         pages = np.asarray(kv_indices, dtype=np.int64)
         start, step = index_slice.start or 0, index_slice.step or 1
         positions = start + step * np.arange(len(pages), dtype=np.int64)
-        sums = np.stack([_checksums(manager.kv_args, i, pages, wait_event) for i in self.buffers])
+        sums = _queue_sums(manager.kv_args, self.buffers, pages, positions, wait_event)
         with self.lock:
             chunks = self.sent.setdefault(room, [])
             if chunks is not None:
-                chunks.append(PageSums(positions, sums))
+                chunks.append(sums)
         count("pd_pages_recorded", len(pages) * len(self.buffers))
 
     def frame_for(self, room: int) -> bytes | None:
+        """The room's frame, read in the transfer thread after NIXL sent its pages: the sums have landed by then."""
         with self.lock:
             chunks = list(self.sent.get(room) or ())
         if not chunks:
             return None
         return encode_frame(PageSums(np.concatenate([c.positions for c in chunks]),
-                                     np.concatenate([c.sums for c in chunks], axis=1)))
+                                     np.concatenate([c.value() for c in chunks], axis=1)))
 
     # -- decode -------------------------------------------------------------------------------------
     def note_received(self, manager, room: int, prefill_rank: int, found: PageSums | FrameError) -> None:
@@ -205,7 +275,22 @@ class PDIndexK:
                 self.received.setdefault(room, {})[prefill_rank] = found
 
     def verify(self, receiver):
-        """The poll answer for a room that just turned Success: Success, or Failed with the reason recorded."""
+        """The poll answer for a room that turned Success: Transferring while its received rows' sums are on
+        their way to the host, then Success, or Failed with the reason recorded."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        received = getattr(receiver, _RECEIVED, None)
+        if received is None:
+            received = self._queue_received(receiver)
+            if not isinstance(received, _Received):
+                return received
+            setattr(receiver, _RECEIVED, received)
+        if not received.got.ready():
+            return KVPoll.Transferring
+        return self._compare(receiver, received)
+
+    def _queue_received(self, receiver):
+        """Queue the sums of the rows the room received; the answer at once when there is nothing to compare."""
         from sglang.srt.disaggregation.base.conn import KVPoll
 
         from dsv4_sm120.index_k.integrity import count
@@ -230,21 +315,39 @@ class PDIndexK:
             self.log_once("no-dst", "PD index-K integrity: room %s polled Success before its destination "
                           "pages were known; not checked", room)
             return KVPoll.Success
-        bad = []
-        for rank, found in sorted(frames.items()):
+        for found in frames.values():
             if found.sums.shape[0] != len(self.buffers):
                 count("pd_rooms_unchecked", 1)
                 self.log_once(f"buffers:{peer}", "PD index-K integrity not checked for prefill %s: it sums %d "
                               "index-K buffers, this decode registers %d (a PP stage or a layer-count "
                               "mismatch)", peer, found.sums.shape[0], len(self.buffers))
                 return KVPoll.Success
+        ranks, positions, expected, start = [], [], [], 0
+        for rank, found in sorted(frames.items()):
             keep = found.positions < len(dst)  # what the transfer worker truncates is not sent either
-            positions, pages = found.positions[keep], dst[found.positions[keep]]
-            for ordinal, i in enumerate(self.buffers):
-                got = _checksums(receiver.kv_mgr.kv_args, i, pages)
-                for j in np.nonzero(got != found.sums[ordinal][keep])[0]:
-                    bad.append((rank, ordinal, int(positions[j]), int(pages[j])))
-            count("pd_pages_checked", len(pages) * len(self.buffers))
+            positions.append(found.positions[keep])
+            expected.append(found.sums[:, keep])
+            ranks.append((rank, slice(start, start + int(keep.sum()))))
+            start = ranks[-1][1].stop
+        positions = np.concatenate(positions)
+        pages = dst[positions]
+        got = _queue_sums(receiver.kv_mgr.kv_args, self.buffers, pages, positions)
+        return _Received(ranks, pages, np.concatenate(expected, axis=1), got)
+
+    def _compare(self, receiver, received: _Received):
+        """Success, or Failed naming every received row whose sum differs from what its prefill rank sent."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        from dsv4_sm120.index_k.integrity import count
+
+        room, peer = receiver.bootstrap_room, receiver.bootstrap_addr
+        got, positions = received.got.value(), received.got.positions
+        bad = []
+        for rank, cols in received.ranks:
+            for ordinal in range(len(self.buffers)):
+                for j in np.nonzero(got[ordinal, cols] != received.expected[ordinal, cols])[0] + cols.start:
+                    bad.append((rank, ordinal, int(positions[j]), int(received.pages[j])))
+            count("pd_pages_checked", (cols.stop - cols.start) * len(self.buffers))
         if not bad:
             return KVPoll.Success
         count("pd_mismatches", len(bad))
@@ -368,7 +471,8 @@ def send_metadata(original, receiver, kv_indices, *args, **kwargs):
 
 
 def poll(original, receiver):
-    """AROUND hook (decode): the first Success is verified; a mismatch answers Failed instead."""
+    """AROUND hook (decode): a Success is verified, answered Transferring until the received rows' sums have
+    landed; a mismatch answers Failed instead."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     status = original(receiver)
@@ -377,12 +481,14 @@ def poll(original, receiver):
     state = state_of(receiver.kv_mgr)
     if not state.enabled:
         return status
-    setattr(receiver, _CHECKED, True)
     try:
-        return state.verify(receiver)
+        verdict = state.verify(receiver)
     except Exception as exc:
+        setattr(receiver, _CHECKED, True)
         logger.exception("PD index-K integrity: verifying room %s raised", receiver.bootstrap_room)
         return state._fail(receiver, f"its bf16 index-K pages could not be verified ({exc!r})")
+    setattr(receiver, _CHECKED, verdict != KVPoll.Transferring)
+    return verdict
 
 
 HOOKS = (
