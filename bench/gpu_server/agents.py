@@ -31,7 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.gpu_server import pd
+from bench.gpu_server import pd, step_log
 from bench.gpu_server.servers import ServerSpec, launch_line, start, wait_healthy
 
 SESSIONS, POOL, CONCURRENCY = 64, 65536, (4, 64)
@@ -125,17 +125,36 @@ def summarize(runs: list[dict], rounds: tuple[int, ...] | None = None) -> dict:
     return {"table": out, "ratios": ratios}
 
 
+def server_side(prefill_logs: dict, runs: list[dict]) -> dict:
+    """Per target, its prefill's own pace over the run (:func:`step_log.prefill_busy`), and the bars' ratios of
+    it: the servers' logs time each batch, where the clients' levels of a few seconds each spread by more than
+    the bars (the first panel's servers of one configuration differed by 20%). A ratio is taken only between two
+    targets that ran the same levels (a stopped run's last round may have reached one and not the other)."""
+    pace = {name: step_log.prefill_busy(Path(log).read_text(errors="replace")) if Path(log).exists() else {}
+            for name, log in prefill_logs.items()}
+    levels = {name: sorted((r["round"], r["concurrency"]) for r in runs if r["target"] == name) for name in pace}
+    ratios, unequal = {}, []
+    for name, num, den, figure in RATIOS:
+        if figure != "output_tokens_per_s" or not (pace.get(num, {}).get("batches") and pace.get(den, {}).get("batches")):
+            continue
+        if levels[num] != levels[den]:
+            unequal.append(name)
+            continue
+        ratios[name] = round(pace[num]["new_tokens_per_s"] / pace[den]["new_tokens_per_s"], 4)
+    return {"prefill": pace, "new_tokens_per_s_ratios": ratios, "not_the_same_levels": unequal}
+
+
 def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict, out: dict,
         mem_fraction: float | None = None, ready=None) -> None:
     """Start every target, warm each, visit them in the rounds' order, stop all."""
     work, tokenizer = pd.prepare(log_dir, out)
     started, pairs = [], []
+    pair_tags = [tag for tag in PAIRS if tag in TARGETS]
     try:
         for spec in specs(tokenizer):
             if mem_fraction is not None:
                 spec.mem_fraction = mem_fraction
             started.append(start(spec, models_root, log_dir))
-        pair_tags = [tag for tag in PAIRS if tag in TARGETS]
         for tag in pair_tags:
             switches = PAIRS[tag]
             pairs.append(pd.start_pair(f"_{tag}", switches, models_root, tokenizer, log_dir, mem_fraction, PAIR_SHAPE))
@@ -173,6 +192,9 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
         out["workload"] = {"agent_bench": list(AGENT), "concurrency": list(CONCURRENCY), "rounds": REPETITIONS,
                            "device_pool_tokens": POOL, "targets": list(TARGETS)}
         out.update(summarize(out.get("runs", [])))  # over the levels that ran, also when the run was stopped
+        prefills = {s.spec.name: s.proc.log for s in started}
+        prefills |= {tag: p.cluster.prefill.log for tag, p in zip(pair_tags, pairs)}
+        out["server_side"] = server_side(prefills, out.get("runs", []))
         for s in started:
             s.proc.stop()
         for p in pairs:

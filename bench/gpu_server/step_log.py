@@ -6,6 +6,9 @@ wall time). While N requests decode, every step makes N tokens, so that window's
 clean when each of its steps decoded the visit's whole batch: its line shows N equal to the batch, and it is
 not the visit's first line, whose window reaches back over the idle gap and the previous visit's last steps.
 
+Prefill pace. :func:`prefill_busy` reads sglang's ``Prefill batch`` lines as the time each batch took while
+requests waited (the ``agents`` set's server-side figure beside its clients').
+
 Kernels. A torch profile of a few decode steps (sglang's ``/start_profile``) holds every GPU kernel the steps
 ran; :func:`kernel_table` gives each kernel's launches and GPU time per step, the package's own kernels
 marked, and :func:`kernel_diff` the difference of two servers' tables, kernel by kernel, largest first, with
@@ -21,6 +24,9 @@ import statistics
 from collections import defaultdict
 
 LINE = re.compile(r"Decode batch.*?#running-req: (\d+),.*?gen throughput \(token/s\): ([0-9.]+)")
+PREFILL = re.compile(r"Prefill batch, #new-seq: \d+, #new-token: (\d+), #cached-token: (\d+),.*?#queue-req: (\d+)"
+                     r".*?input throughput \(token/s\): ([0-9.]+)")
+BUSY_GAP_S = 1.0  # a gap longer than this between prefill lines is idle time between visits, not a batch
 # The package's Triton kernels (src/dsv4_sm120/kernels): logits, key store, query, page checksum, page copy.
 PACKAGE_KERNELS = re.compile(r"^_(logits|store|query|checksum|copy_pages)_kernel")
 
@@ -35,6 +41,28 @@ def visit_step_ms(log_text: str, batch: int) -> float | None:
     """One visit's server-side step: the median of its clean windows (None: the visit logged none)."""
     steps = window_steps_ms(log_text, batch)
     return round(statistics.median(steps), 4) if steps else None
+
+
+def prefill_busy(log_text: str) -> dict:
+    """The prefill's own pace over a log: the batches it ran with requests queued behind them.
+
+    sglang's ``Prefill batch`` line gives the batch's new tokens and ``input throughput``, new tokens over the
+    time since the previous prefill line, so new / throughput is the time between the two lines: the batch's
+    forward and whatever the scheduler did around it (result processing, HiCache bookkeeping, the next batch's
+    admission). Only batches with a queue behind them are taken (the scheduler was never idle between the
+    two lines), and gaps over ``BUSY_GAP_S``. Returns their count, the mean and median ms a batch, new tokens a
+    second over them and their cached tokens per new token (the same traffic gives the same ratio)."""
+    gaps, new, cached = [], 0, 0
+    for n, c, queued, thr in PREFILL.findall(log_text):
+        n, thr = int(n), float(thr)
+        if int(queued) > 0 and thr > 0 and n / thr < BUSY_GAP_S:
+            gaps.append(n / thr)
+            new, cached = new + n, cached + int(c)
+    if not gaps:
+        return {"batches": 0}
+    return {"batches": len(gaps), "ms_per_batch": round(1e3 * sum(gaps) / len(gaps), 2),
+            "median_ms": round(1e3 * statistics.median(gaps), 2), "new_tokens_per_s": round(new / sum(gaps), 1),
+            "cached_per_new": round(cached / max(new, 1), 3)}
 
 
 def kernel_table(trace_path, steps: int) -> list[dict]:

@@ -1,8 +1,9 @@
 """The bars of the low/high-concurrency panel on real figures: ``python -m bench.gpu_server run agents``.
 
 ``flash12`` servers (HiCache off; HiCache with bf16 keys, twice; the same with the checksum; HiCache with fp8
-keys) and two PD pairs (fixes on, off) under the agent workload at C=4 and C=64, in shuffled rounds. Each bar
-is held on the median of the per-round ratios. On a CUDA host with the pin this runs the set (about fifteen
+keys) and two PD pairs (fixes on, off) under the agent workload at C=4 and C=64, in shuffled rounds. Throughput
+bars are held on the prefills' own pace over the run (sglang's prefill log lines), TTFT bars on the median of the
+per-round client ratios. On a CUDA host with the pin this runs the set (about fifteen
 minutes); ``DSV4_GPU_AGENTS_JSON=<record>`` asserts on a record a run wrote instead. Selected with ``-m gpu``;
 without a CUDA device and no record it fails.
 """
@@ -29,6 +30,14 @@ def _ratio(record: dict, name: str, level: str) -> float:
     return value
 
 
+def _pace(record: dict, name: str) -> float:
+    """A throughput bar's ratio of the prefills' own pace over the run (both levels; the clients' few-second levels
+    spread by more than the bars)."""
+    value = record["server_side"]["new_tokens_per_s_ratios"].get(name)
+    assert value is not None, f"{name}: a server logged no busy prefill batch"
+    return value
+
+
 def test_every_level_was_served_in_full(record):
     for run in record["runs"]:
         level = run["level"]
@@ -40,17 +49,15 @@ def test_hicache_with_bf16_keys_lowers_ttft_at_high_concurrency(record):
     assert _ratio(record, "hicache_ttft_p50_gain_bf16", "64") > 1.0
 
 
-@pytest.mark.parametrize("level", LEVELS)
-def test_the_pd_fixes_cost_at_most_one_percent_of_throughput(record, level):
-    assert _ratio(record, "pd_fixes_on_vs_off_throughput", level) >= 0.99
+def test_the_pd_fixes_cost_at_most_one_percent_of_throughput(record):
+    assert _pace(record, "pd_fixes_on_vs_off_throughput") >= 0.99
 
 
-@pytest.mark.parametrize("level", LEVELS)
-def test_bf16_keys_with_hicache_cost_at_most_three_percent_against_fp8(record, level):
-    assert _ratio(record, "bf16_vs_fp8_throughput", level) >= 0.97
+def test_bf16_keys_with_hicache_cost_at_most_three_percent_against_fp8(record):
+    assert _pace(record, "bf16_vs_fp8_throughput") >= 0.97
 
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_the_checksum_costs_at_most_three_percent_of_throughput_and_five_of_ttft(record, level):
-    assert _ratio(record, "checksum_throughput", level) >= 0.97
+    assert _pace(record, "checksum_throughput") >= 0.97
     assert _ratio(record, "checksum_ttft_p50", level) <= 1.05

@@ -294,3 +294,4 @@ def test_an_agents_run_of_some_targets_starts_only_those(standins, monkeypatch, 
     assert {o.split(":")[1] for o in record["results"]["order"]} == {"hc_bf16", "hc_bf16_checksum"}
     assert record["results"]["ratios"]["checksum_throughput"]["64"]["n"] == 1
     assert record["results"]["workload"]["targets"] == ["hc_bf16", "hc_bf16_checksum"]
+    assert set(record["results"]["server_side"]["prefill"]) == {"hc_bf16", "hc_bf16_checksum"}

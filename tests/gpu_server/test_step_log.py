@@ -65,3 +65,38 @@ def test_the_two_measures_are_said_to_disagree_past_half_a_percent():
     table = {"dsv4_bf16/sglang_tilelang": {"decode 8x4096": 0.99, "decode 1x4096": 1.02},
              "dsv4_bf16/sglang_tilelang server": {"decode 8x4096": 1.028, "decode 1x4096": 1.022}}
     assert scenarios.disagreements(table) == {"sglang_tilelang decode 8x4096": {"client": 0.99, "server": 1.028}}
+
+
+PREFILL_LOG = """\
+[2026-12-06 04:07:14] Prefill batch, #new-seq: 1, #new-token: 128, #cached-token: 0, full token usage: 0.00, swa token usage: 0.01, #running-req: 0, #queue-req: 0, #pending-token: 0, cuda graph: False, input throughput (token/s): 287.94
+[2026-12-06 04:09:40] Prefill batch, #new-seq: 2, #new-token: 1000, #cached-token: 4000, full token usage: 0.50, swa token usage: 0.20, #running-req: 3, #queue-req: 12, #pending-token: 9000, cuda graph: False, input throughput (token/s): 10000.00
+[2026-12-06 04:09:40] Prefill batch, #new-seq: 1, #new-token: 600, #cached-token: 2000, full token usage: 0.55, swa token usage: 0.20, #running-req: 5, #queue-req: 11, #pending-token: 8000, cuda graph: False, input throughput (token/s): 2000.00
+[2026-12-06 04:09:45] Prefill batch, #new-seq: 1, #new-token: 500, #cached-token: 2000, full token usage: 0.55, swa token usage: 0.20, #running-req: 5, #queue-req: 3, #pending-token: 8000, cuda graph: False, input throughput (token/s): 100.00
+"""
+
+
+def test_the_prefill_pace_counts_only_batches_with_a_queue_behind_them():
+    # the first line has no queue (warm-up, idle before it); the last one's gap (5 s) spans idle time
+    pace = step_log.prefill_busy(PREFILL_LOG)
+    assert pace["batches"] == 2
+    assert pace["ms_per_batch"] == pytest.approx(1e3 * (0.1 + 0.3) / 2)
+    assert pace["new_tokens_per_s"] == pytest.approx(1600 / 0.4)
+    assert pace["cached_per_new"] == pytest.approx(6000 / 1600, abs=1e-3)
+    assert step_log.prefill_busy("") == {"batches": 0}
+
+
+def test_the_agents_set_holds_its_bars_on_the_prefills_own_pace(tmp_path):
+    from bench.gpu_server import agents
+
+    slower = PREFILL_LOG.replace("input throughput (token/s): 10000.00", "input throughput (token/s): 5000.00")
+    (tmp_path / "a.log").write_text(PREFILL_LOG)
+    (tmp_path / "b.log").write_text(slower)
+    (tmp_path / "c.log").write_text(PREFILL_LOG)
+    logs = {"hc_bf16": tmp_path / "a.log", "hc_bf16_checksum": tmp_path / "b.log", "hc_bf16_again": tmp_path / "c.log",
+            "hc_fp8": tmp_path / "missing.log"}
+    runs = [{"target": t, "round": r, "concurrency": 64} for t in logs for r in (0, 1)]
+    runs.append({"target": "hc_bf16_again", "round": 2, "concurrency": 64})  # a stopped run's last round
+    side = agents.server_side(logs, runs)
+    assert side["prefill"]["hc_fp8"] == {}
+    assert side["new_tokens_per_s_ratios"] == {"checksum_throughput": pytest.approx(1600 / 0.5 / (1600 / 0.4), abs=1e-4)}
+    assert side["not_the_same_levels"] == ["same_config_throughput"]
