@@ -19,7 +19,8 @@ the host pool); then ``REPETITIONS`` rounds, each visiting every target in a shu
 and, on each, the levels ``CONCURRENCY`` in ascending order on even rounds and descending on odd ones. Per target
 and level: the median of the rounds and their min-max for TTFT p50/p90, ITL p50, output and total throughput and
 the server's cache hit share; then the ratios the bars are about, each as the median of the per-round ratios
-with their min-max.
+with their min-max; per target its prefill's own pace over the run (``server_side``, from sglang's prefill lines),
+and a profiled level of the checksum server and its twin without it (``profiles``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.gpu_server import pd, step_log
+from bench.gpu_server import hicache, pd, step_log, traffic
 from bench.gpu_server.servers import ServerSpec, launch_line, start, wait_healthy
 
 SESSIONS, POOL, CONCURRENCY = 64, 65536, (4, 64)
@@ -66,6 +67,10 @@ PAIR_SHAPE = {
     "prefill": ({**_SERVER, "graphs": False}, _HICACHE + _EVERY),
     "decode": ({**_SERVER, "max_total_tokens": 4 * POOL}, _EVERY),
 }
+# after the timed rounds, one C=64 level of each with sglang's profiler on (host ops, CUDA runtime calls, kernels):
+# where the checksum's share of a prefill batch goes
+PROFILED = ("hc_bf16_checksum", "hc_bf16")
+PROFILE_STEPS, PROFILE_TIMEOUT_S = 30, 120.0
 # (name, numerator, denominator, figure): what the bars hold, per level
 RATIOS = (("same_config_throughput", "hc_bf16_again", "hc_bf16", "output_tokens_per_s"),
           ("same_config_ttft_p50", "hc_bf16_again", "hc_bf16", "ttft_p50_s"),
@@ -89,6 +94,19 @@ def agent(front: str, metrics_url: str, concurrency: int, out: Path) -> dict:
     return pd.agent_level(["--base-url", front, "--model", "flash12", "--metrics-url", metrics_url,
                            "--concurrency", str(concurrency), *AGENT,
                            "--device", "a GPU host: DeepSeek-V4 flash12 (dummy weights)"], out, LEVEL_TIMEOUT_S)
+
+
+def profile(front: str, metrics_url: str, work: Path, name: str) -> dict:
+    """One C=64 level on ``front`` with sglang's profiler on for ``PROFILE_STEPS`` forward steps of the server at
+    ``metrics_url``: the trace's host ops, CUDA runtime calls and kernels by time (a host wait shows as a stream or
+    event synchronize among the runtime calls). Untimed: a profiled level is slower."""
+    out_dir = work / f"profile_{name}"
+    trace = traffic.profile_window(metrics_url, out_dir, lambda: agent(front, metrics_url, 64, out_dir / "level.json"),
+                                   wait_s=0.5, steps=PROFILE_STEPS, activities=["CPU", "GPU"], name=name,
+                                   timeout=PROFILE_TIMEOUT_S)
+    if trace is None:
+        return {"error": f"no trace in {out_dir} after {PROFILE_TIMEOUT_S:.0f}s"}
+    return {"steps": PROFILE_STEPS, **hicache.host_and_gpu_top(trace)}
 
 
 def _spread(values: list[float]) -> dict:
@@ -188,6 +206,8 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
                     runs.append({"round": rnd, "target": name, "concurrency": c, "level": level,
                                  "wall_s": round(time.monotonic() - t0, 1)})
                     out["order"].append(f"r{rnd}:{name}:C{c}")
+        out["profiles"] = {name: hicache._or_error(profile, *targets[name], work, name)
+                           for name in PROFILED if name in targets}
     finally:
         out["workload"] = {"agent_bench": list(AGENT), "concurrency": list(CONCURRENCY), "rounds": REPETITIONS,
                            "device_pool_tokens": POOL, "targets": list(TARGETS)}

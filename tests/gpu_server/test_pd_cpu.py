@@ -197,6 +197,7 @@ def test_run_agents_visits_every_target_in_shuffled_abba_rounds_and_summarizes(s
     monkeypatch.setattr(agents, "AGENT", ("--sessions", "4", "--groups", "2", "--prefix-words", "10", "--turns", "1",
                                           "--max-tokens", "4"))
     monkeypatch.setattr(agents, "REPETITIONS", 2)
+    monkeypatch.setattr(agents, "PROFILED", ())  # the stand-ins have no profiler
     out = tmp_path / "agents.json"
     assert run.main(["agents", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"]) == 0
     res = json.loads(out.read_text())["results"]
@@ -223,6 +224,7 @@ def test_a_stopped_agents_run_keeps_the_levels_it_measured(standins, monkeypatch
     monkeypatch.setattr(agents, "AGENT", ("--sessions", "4", "--groups", "2", "--prefix-words", "10", "--turns", "1",
                                           "--max-tokens", "4"))
     level, done = agents.agent, []
+    monkeypatch.setattr(agents, "PROFILED", ())
 
     def stopped_after_eight(*args):  # the run's SIGTERM handler raises SystemExit where the run is
         if len(done) == 8:
@@ -287,6 +289,7 @@ def test_an_agents_run_of_some_targets_starts_only_those(standins, monkeypatch, 
                                           "--max-tokens", "4"))
     monkeypatch.setattr(agents, "REPETITIONS", 1)
     monkeypatch.setattr(agents, "TARGETS", ["hc_bf16", "hc_bf16_checksum"])
+    monkeypatch.setattr(agents, "PROFILE_TIMEOUT_S", 1.0)  # the stand-ins write no trace: each profile says so
     out = tmp_path / "agents.json"
     assert run.main(["agents", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"]) == 0
     record = json.loads(out.read_text())
@@ -295,3 +298,5 @@ def test_an_agents_run_of_some_targets_starts_only_those(standins, monkeypatch, 
     assert record["results"]["ratios"]["checksum_throughput"]["64"]["n"] == 1
     assert record["results"]["workload"]["targets"] == ["hc_bf16", "hc_bf16_checksum"]
     assert set(record["results"]["server_side"]["prefill"]) == {"hc_bf16", "hc_bf16_checksum"}
+    assert set(record["results"]["profiles"]) == {"hc_bf16", "hc_bf16_checksum"}
+    assert all("error" in p for p in record["results"]["profiles"].values())
