@@ -143,6 +143,11 @@ def summarize(runs: list[dict], rounds: tuple[int, ...] | None = None) -> dict:
     return {"table": out, "ratios": ratios}
 
 
+def _prefill_logs(started: list, pair_tags: list[str], pairs: list) -> dict:
+    """Each target's prefill log: a single server's own, a PD pair's prefill's."""
+    return {s.spec.name: s.proc.log for s in started} | {tag: p.cluster.prefill.log for tag, p in zip(pair_tags, pairs)}
+
+
 def server_side(prefill_logs: dict, runs: list[dict]) -> dict:
     """Per target, its prefill's own pace over the run (:func:`step_log.prefill_busy`), and the bars' ratios of
     it: the servers' logs time each batch, where the clients' levels of a few seconds each spread by more than
@@ -206,15 +211,15 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
                     runs.append({"round": rnd, "target": name, "concurrency": c, "level": level,
                                  "wall_s": round(time.monotonic() - t0, 1)})
                     out["order"].append(f"r{rnd}:{name}:C{c}")
+        out["server_side"] = server_side(_prefill_logs(started, pair_tags, pairs), runs)  # before the profiled levels
         out["profiles"] = {name: hicache._or_error(profile, *targets[name], work, name)
                            for name in PROFILED if name in targets}
     finally:
         out["workload"] = {"agent_bench": list(AGENT), "concurrency": list(CONCURRENCY), "rounds": REPETITIONS,
                            "device_pool_tokens": POOL, "targets": list(TARGETS)}
         out.update(summarize(out.get("runs", [])))  # over the levels that ran, also when the run was stopped
-        prefills = {s.spec.name: s.proc.log for s in started}
-        prefills |= {tag: p.cluster.prefill.log for tag, p in zip(pair_tags, pairs)}
-        out["server_side"] = server_side(prefills, out.get("runs", []))
+        if "server_side" not in out:  # a run stopped before its profiles
+            out["server_side"] = server_side(_prefill_logs(started, pair_tags, pairs), out.get("runs", []))
         for s in started:
             s.proc.stop()
         for p in pairs:
