@@ -32,7 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.gpu_server import hicache, pd, step_log, traffic
+from bench.gpu_server import hicache, pd, step_log
 from bench.gpu_server.servers import ServerSpec, launch_line, start, wait_healthy
 
 SESSIONS, POOL, CONCURRENCY = 64, 65536, (4, 64)
@@ -101,12 +101,8 @@ def profile(front: str, metrics_url: str, work: Path, name: str) -> dict:
     ``metrics_url``: the trace's host ops, CUDA runtime calls and kernels by time (a host wait shows as a stream or
     event synchronize among the runtime calls). Untimed: a profiled level is slower."""
     out_dir = work / f"profile_{name}"
-    trace = traffic.profile_window(metrics_url, out_dir, lambda: agent(front, metrics_url, 64, out_dir / "level.json"),
-                                   wait_s=0.5, steps=PROFILE_STEPS, activities=["CPU", "GPU"], name=name,
-                                   timeout=PROFILE_TIMEOUT_S)
-    if trace is None:
-        return {"error": f"no trace in {out_dir} after {PROFILE_TIMEOUT_S:.0f}s"}
-    return {"steps": PROFILE_STEPS, **hicache.host_and_gpu_top(trace)}
+    return hicache.profiled(metrics_url, out_dir, lambda: agent(front, metrics_url, 64, out_dir / "level.json"), name,
+                            wait_s=0.5, steps=PROFILE_STEPS, timeout=PROFILE_TIMEOUT_S)
 
 
 def _spread(values: list[float]) -> dict:

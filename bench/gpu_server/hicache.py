@@ -371,13 +371,19 @@ PROFILE_STEPS = 30  # forward steps of one cost visit in each server's profile
 def cost_profile(url: str, work_dir, name: str, timeout: float = 90) -> dict:
     """One cost visit on ``url`` with sglang's profiler on for ``PROFILE_STEPS`` steps, host and GPU: where the
     time of a step goes (:func:`host_and_gpu_top`). After the timed rounds (a profiled visit is slower)."""
-    out_dir = Path(work_dir) / f"cost_profile_{name}"
     # the visit's first prefill batches are queued 0.3 s after it starts
-    trace = traffic.profile_window(url, out_dir, lambda: cost_visit(url, 900), wait_s=0.3, steps=PROFILE_STEPS,
-                                   activities=["CPU", "GPU"], name=name, timeout=timeout)
-    if trace is not None:
-        return {"steps": PROFILE_STEPS, **host_and_gpu_top(trace)}
-    return {"error": f"no trace in {out_dir} after {timeout:.0f}s"}
+    return profiled(url, Path(work_dir) / f"cost_profile_{name}", lambda: cost_visit(url, 900), name, wait_s=0.3,
+                    steps=PROFILE_STEPS, timeout=timeout)
+
+
+def profiled(url: str, out_dir, work, name: str, *, wait_s: float, steps: int, timeout: float) -> dict:
+    """``work()`` with sglang's profiler on for ``steps`` forward steps of the server at ``url``, host and GPU
+    (:func:`traffic.profile_window`): the trace by category (:func:`host_and_gpu_top`), or why there is none."""
+    trace = traffic.profile_window(url, out_dir, work, wait_s=wait_s, steps=steps, activities=["CPU", "GPU"],
+                                   name=name, timeout=timeout)
+    if trace is None:
+        return {"error": f"no trace in {out_dir} after {timeout:.0f}s"}
+    return {"steps": steps, **host_and_gpu_top(trace)}
 
 
 def host_and_gpu_top(trace_path, top: int = 15) -> dict:

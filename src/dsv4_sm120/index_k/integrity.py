@@ -156,6 +156,16 @@ def on_device(device: torch.device, indices: torch.Tensor) -> torch.Tensor:
     return indices.to(device)
 
 
+def pinned_copy(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """A CUDA ``tensor`` copied to pinned host memory behind the current stream's work, without a host wait, and
+    the event recorded behind the copy: read the copy once the event has completed."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    landed = torch.cuda.Event()
+    landed.record()
+    return host, landed
+
+
 class PageLedger:
     """Backup checksums of one index-K host mirror, the loads in flight and the reader's verdicts."""
 
@@ -244,11 +254,7 @@ class PageLedger:
     def _to_host(layer: int, report: torch.Tensor, writes: bool = False) -> _Report:
         if report.device.type != "cuda":
             return _Report(layer, report.clone(), None, writes)
-        rows = torch.empty(report.shape, dtype=report.dtype, pin_memory=True)
-        rows.copy_(report, non_blocking=True)
-        landed = torch.cuda.Event()
-        landed.record()
-        return _Report(layer, rows, landed, writes)
+        return _Report(layer, *pinned_copy(report), writes)
 
     # --- verdict (the scheduler, processing the result of the forward that read the pages) ----
     def collect(self, slot: int) -> list[CorruptPage]:

@@ -174,7 +174,7 @@ def _queue_sums(kv_args, buffers: list[int], pages: np.ndarray, positions: np.nd
     """
     import torch
 
-    from dsv4_sm120.index_k.integrity import on_device
+    from dsv4_sm120.index_k.integrity import on_device, pinned_copy
     from dsv4_sm120.kernels.page_checksum import page_checksum
 
     rows = [_page_rows(kv_args, i) for i in buffers]
@@ -188,12 +188,8 @@ def _queue_sums(kv_args, buffers: list[int], pages: np.ndarray, positions: np.nd
         side.wait_event(wait_event)
     with torch.cuda.stream(side):
         index = on_device(device, index)
-        sums = torch.stack([page_checksum(r.index_select(0, index)) for r in rows])
-        host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
-        host.copy_(sums, non_blocking=True)
-        landed = torch.cuda.Event()
-        landed.record(side)
-    return SumsInFlight(positions, host, landed)
+        return SumsInFlight(positions, *pinned_copy(torch.stack([page_checksum(r.index_select(0, index))
+                                                                 for r in rows])))
 
 
 @dataclass(frozen=True)
