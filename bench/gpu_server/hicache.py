@@ -387,22 +387,28 @@ def profiled(url: str, out_dir, work, name: str, *, wait_s: float, steps: int, t
 
 
 def host_and_gpu_top(trace_path, top: int = 15) -> dict:
-    """Per event category of a torch-profiler trace (host ops, CUDA runtime calls, kernels): the total time,
-    and the ``top`` names by time with their counts; a host wait shows as cudaStreamSynchronize,
-    cudaEventSynchronize or a synchronous cudaMemcpy among the runtime calls."""
+    """Per event category of a torch-profiler trace (host ops, CUDA runtime calls, kernels, Python calls): the
+    total time, and the ``top`` names by time with their counts; a host wait shows as cudaStreamSynchronize,
+    cudaEventSynchronize or a synchronous cudaMemcpy among the runtime calls. ``package`` is every Python call of
+    the package's own code (sglang's profiler records the stack by default) with its inclusive time and count."""
     import gzip
     from collections import Counter
 
     with gzip.open(trace_path, "rt") as f:
         events = json.load(f).get("traceEvents", [])
-    cats = ("cpu_op", "cuda_runtime", "kernel")
+    cats = ("cpu_op", "cuda_runtime", "kernel", "python_function")
     time_of, count = {c: Counter() for c in cats}, {c: Counter() for c in cats}
     for ev in events:
         if ev.get("cat") in time_of and "dur" in ev:
             time_of[ev["cat"]][ev["name"]] += float(ev["dur"])
             count[ev["cat"]][ev["name"]] += 1
-    return {c: {"total_us": round(sum(time_of[c].values()), 1),
-                "top": [(k[:100], round(v, 1), count[c][k]) for k, v in time_of[c].most_common(top)]} for c in cats}
+    summary = {c: {"total_us": round(sum(time_of[c].values()), 1),
+                   "top": [(k[:100], round(v, 1), count[c][k]) for k, v in time_of[c].most_common(top)]}
+               for c in cats}
+    calls = time_of["python_function"]
+    summary["package"] = [(k[-120:], round(v, 1), count["python_function"][k]) for k, v in calls.most_common()
+                          if "dsv4_sm120" in k]
+    return summary
 
 
 TOPK_SERVERS = ("eager_off", "control_fence_in_delayed", "control_no_fence_delayed_unchecked")

@@ -342,7 +342,8 @@ def test_the_cost_profile_sums_host_ops_runtime_calls_and_kernels_by_name(tmp_pa
               {"cat": "cpu_op", "name": "aten::index_select", "dur": 7.0},
               {"cat": "cuda_runtime", "name": "cudaEventSynchronize", "dur": 900.0},
               {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "dur": 3.0},
-              {"cat": "kernel", "name": "_check_kernel", "dur": 2.5}, {"cat": "python_function", "name": "x", "dur": 1}]
+              {"cat": "kernel", "name": "_check_kernel", "dur": 2.5}, {"cat": "python_function", "name": "x", "dur": 1},
+              {"cat": "python_function", "name": "dsv4_sm120/index_k/integrity.py(190): check_reads", "dur": 40.0}]
     trace = tmp_path / "t.trace.json.gz"
     with gzip.open(trace, "wt") as f:
         json.dump({"traceEvents": events}, f)
@@ -350,3 +351,4 @@ def test_the_cost_profile_sums_host_ops_runtime_calls_and_kernels_by_name(tmp_pa
     assert top["cpu_op"] == {"total_us": 12.0, "top": [("aten::index_select", 12.0, 2)]}
     assert top["cuda_runtime"]["top"][0] == ("cudaEventSynchronize", 900.0, 1)
     assert top["kernel"]["total_us"] == 2.5
+    assert top["package"] == [("dsv4_sm120/index_k/integrity.py(190): check_reads", 40.0, 1)]
