@@ -3,9 +3,11 @@
 Why: HiCache with bf16 keys was fixed to win back prefix-cache speed, and every fix must be benchmarked at low and
 high concurrency; neither had been measured on a model whose GPU work dominates a step. Here ``flash12`` (Flash's
 attention and indexer dimensions) serves ``dsv4-sm120 agent-bench``'s workload: ``SESSIONS`` sessions in 8 groups
-sharing ~4k-token prefixes, each with its own ~4k-token history, one turn per session per level, so that each
-session comes back to a history the other sessions pushed out of a device pool of ``POOL`` tokens (the working
-set is several times that): on the host with HiCache, recomputed without.
+sharing ~4k-token prefixes, each with its own ~4k-token history, three turns per session per level (turn-major: a
+session's next turn comes after every other session's), so that each session comes back to a history the other
+sessions pushed out of a device pool of ``POOL`` tokens (the working set is several times that): on the host with
+HiCache, recomputed without. Three turns, not one: a level of one turn is one burst of 64 requests (3-5 s at C=64),
+and two servers of one configuration then differed by 20-40% from round to round.
 
 Servers, all with decode CUDA graphs and the same device pool, started at once, each driven alone in turn:
 ``hc_off`` (no HiCache), ``hc_bf16`` (HiCache, bf16 keys, the package's default switches), ``hc_bf16_checksum``
@@ -14,8 +16,9 @@ once more: the same-configuration ratio is the floor under the others); and two 
 behind the router, a prefill with HiCache and a decode with graphs (the incident's configuration): the fixes on
 (defaults) and off (``DSV4_SM120_NIXL_HARDENING=0``, ``DSV4_SM120_COLLECTIVE_GUARD=0``).
 
-Order: each target first gets one untimed level (its first requests compile kernels for their shapes and fill
-the host pool); then ``REPETITIONS`` rounds, each visiting every target in a shuffled order (seeded by the round)
+Order: each target first gets an untimed visit of every level (its first requests compile kernels for their
+shapes and fill the host pool; the servers share one JIT cache, so a level left out of it was compiled by whichever
+server met it first, in its timed level); then ``REPETITIONS`` rounds, each visiting every target in a shuffled order (seeded by the round)
 and, on each, the levels ``CONCURRENCY`` in ascending order on even rounds and descending on odd ones. Per target
 and level: the median of the rounds and their min-max for TTFT p50/p90, ITL p50, output and total throughput and
 the server's cache hit share; then the ratios the bars are about, each as the median of the per-round ratios
@@ -36,9 +39,9 @@ from bench.gpu_server import hicache, pd, step_log
 from bench.gpu_server.servers import ServerSpec, launch_line, start, wait_healthy
 
 SESSIONS, POOL, CONCURRENCY = 64, 65536, (4, 64)
-REPETITIONS = int(os.environ.get("DSV4_GPU_AGENT_ROUNDS", "3"))  # timed rounds; more narrow the spread, each ~90 s
+REPETITIONS = int(os.environ.get("DSV4_GPU_AGENT_ROUNDS", "3"))  # timed rounds; more narrow the spread
 AGENT = ("--sessions", str(SESSIONS), "--groups", "8", "--prefix-words", "1000", "--start-words", "1000",
-         "--turn-words", "250", "--max-history-words", "100000", "--turns", "1", "--max-tokens", "32",
+         "--turn-words", "250", "--max-history-words", "100000", "--turns", "3", "--max-tokens", "32",
          "--request-timeout", "300")
 LEVEL_TIMEOUT_S = float(os.environ.get("DSV4_GPU_AGENT_LEVEL_S", "600"))  # one level's bound (the slowest took 70 s)
 FIGURES = ("ttft_p50_s", "ttft_p90_s", "itl_p50_s", "output_tokens_per_s", "total_tokens_per_s", "server_cache_hit")
@@ -196,10 +199,10 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
         targets |= {tag: (p.cluster.front, p.cluster.prefill.url) for tag, p in zip(pair_tags, pairs)}
         runs: list[dict] = out.setdefault("runs", [])  # in the record as they come: a stopped run keeps its levels
         out["order"] = []
-        for rnd in range(REPETITIONS + 1):  # round 0: the untimed warm-up level on each target
+        for rnd in range(REPETITIONS + 1):  # round 0: the untimed warm-up of every level on each target
             names = sorted(targets)
             random.Random(rnd).shuffle(names)
-            levels = CONCURRENCY[-1:] if rnd == 0 else (CONCURRENCY if rnd % 2 else tuple(reversed(CONCURRENCY)))
+            levels = CONCURRENCY if rnd % 2 or rnd == 0 else tuple(reversed(CONCURRENCY))
             for name in names:
                 for c in levels:
                     t0 = time.monotonic()

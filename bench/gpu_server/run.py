@@ -43,6 +43,8 @@ VERSIONS_PY = (
     "import torch\n"
     "out['torch.cuda'] = torch.version.cuda\n"
     "out['nccl'] = '.'.join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None\n"
+    "import dsv4_sm120\n"
+    "out['dsv4_sm120_path'] = dsv4_sm120.__file__\n"
     "print(json.dumps(out))\n"
 )
 
@@ -60,6 +62,15 @@ def host_facts() -> dict:
     versions = _sh([sys.executable, "-c", VERSIONS_PY])
     return {"device": gpu, "python": sys.version.split()[0],
             "versions": json.loads(versions) if versions.startswith("{") else {"error": "could not read versions"}}
+
+
+def package_commit(record: dict, bundle: Path) -> str | None:
+    """The commit of the package the servers import: the bundle's wheel, which may be older than the checkout that
+    drives them, unless a checkout's ``src`` stands before it on ``PYTHONPATH`` (then the run's own commit)."""
+    path = record.get("versions", {}).get("dsv4_sm120_path") or ""
+    if path and not path.startswith(str(bundle)):
+        return record["commit"]
+    return ((record["bundle"] or {}).get("project") or {}).get("commit", "")[:7] or None
 
 
 def wait_for_file(path: Path, timeout: float) -> float:
@@ -117,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         "replaced": [],  # upstream calls routed elsewhere: none; a run that needs one names it here
         "servers": {},
     }
-    # The package the servers import is the bundle's wheel, which may be older than the checkout that drives them.
-    record["package_commit"] = ((record["bundle"] or {}).get("project") or {}).get("commit", "")[:7] or None
+    record["package_commit"] = package_commit(record, args.bundle)
     started: list[Started] = []
     t0 = time.monotonic()
     try:

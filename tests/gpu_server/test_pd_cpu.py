@@ -202,7 +202,10 @@ def test_run_agents_visits_every_target_in_shuffled_abba_rounds_and_summarizes(s
     assert run.main(["agents", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"]) == 0
     res = json.loads(out.read_text())["results"]
     targets = set(agents.SINGLES) | set(agents.PAIRS)
-    assert [o.split(":")[0] for o in res["order"]] == ["r0"] * 7 + ["r1"] * 14 + ["r2"] * 14
+    assert [o.split(":")[0] for o in res["order"]] == ["r0"] * 14 + ["r1"] * 14 + ["r2"] * 14
+    # the warm-up visits every level of every target: no timed level is the first to meet its shapes
+    assert {o.split(":", 1)[1] for o in res["order"] if o.startswith("r0")} == {
+        f"{t}:C{c}" for t in targets for c in agents.CONCURRENCY}
     assert {o.split(":")[1] for o in res["order"] if o.startswith("r1")} == targets
     r1 = [o for o in res["order"] if o.startswith("r1")]
     assert r1[0].endswith(":C4") and r1[1].endswith(":C64")  # ascending in odd rounds
@@ -226,19 +229,19 @@ def test_a_stopped_agents_run_keeps_the_levels_it_measured(standins, monkeypatch
     level, done = agents.agent, []
     monkeypatch.setattr(agents, "PROFILED", ())
 
-    def stopped_after_eight(*args):  # the run's SIGTERM handler raises SystemExit where the run is
-        if len(done) == 8:
+    def stopped_after_fifteen(*args):  # the run's SIGTERM handler raises SystemExit where the run is
+        if len(done) == 15:
             raise SystemExit("stopped by signal 15")
         done.append(1)
         return level(*args)
 
-    monkeypatch.setattr(agents, "agent", stopped_after_eight)
+    monkeypatch.setattr(agents, "agent", stopped_after_fifteen)
     out = tmp_path / "agents.json"
     run.main(["agents", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"])
     record = json.loads(out.read_text())
     res = record["results"]
     assert "stopped by signal 15" in record["error"]
-    assert len(res["runs"]) == 8 and len(res["order"]) == 8  # the 7 warm levels and 1 of round 1
+    assert len(res["runs"]) == 15 and len(res["order"]) == 15  # the 14 warm levels and 1 of round 1
     assert sum(c["output_tokens_per_s"]["n"] for t in res["table"].values() for c in t.values()) == 1
 
 

@@ -352,3 +352,14 @@ def test_the_cost_profile_sums_host_ops_runtime_calls_and_kernels_by_name(tmp_pa
     assert top["cuda_runtime"]["top"][0] == ("cudaEventSynchronize", 900.0, 1)
     assert top["kernel"]["total_us"] == 2.5
     assert top["package"] == [("dsv4_sm120/index_k/integrity.py(190): check_reads", 40.0, 1)]
+
+
+def test_the_record_names_the_package_that_ran_the_bundles_wheel_or_a_checkout_before_it(tmp_path):
+    from bench.gpu_server import run
+
+    bundle = tmp_path / "root"
+    record = {"commit": "54feba8", "bundle": {"project": {"commit": "23481761b96d"}},
+              "versions": {"dsv4_sm120_path": f"{bundle}/site/dsv4_sm120/__init__.py"}}
+    assert run.package_commit(record, bundle) == "2348176"
+    record["versions"]["dsv4_sm120_path"] = "/tmp/ck/src/dsv4_sm120/__init__.py"
+    assert run.package_commit(record, bundle) == "54feba8"
