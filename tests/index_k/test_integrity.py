@@ -260,22 +260,30 @@ def test_no_host_synchronization_in_the_copy_path_or_the_indexer_read(stacks, mo
 
 def test_a_load_is_checked_with_one_launch_a_layer_and_its_indices_moved_once(stacks, monkeypatch):
     """The read's host work: upstream hands every layer's copy the same index tensors, so they are moved to
-    the reader's device once per load, and each layer's check is one ledger call (one launch on a GPU)."""
+    the reader's device once per load, each layer's check is one ledger call (one launch on a GPU), and the
+    verdicts of every layer, read and key-write checks alike, go to the host in one copy behind the last layer."""
     from dsv4_sm120.index_k import integrity
     from dsv4_sm120.kernels import page_ledger
 
     host, device_pool = _backed_up(stacks, monkeypatch)
-    moved, checks = [], []
-    real_move, real_check = integrity.on_device, page_ledger.check_pages
+    ledger = _ledger(host)
+    moved, checks, sent = [], [], []
+    real_move, real_check, real_send = integrity.on_device, page_ledger.check_pages, ledger._send
     monkeypatch.setattr(integrity, "on_device", lambda *a: moved.append(a) or real_move(*a))
     monkeypatch.setattr(page_ledger, "check_pages", lambda *a, **k: checks.append(a) or real_check(*a, **k))
-    slot = _ledger(host).counter.update_producer()
+    monkeypatch.setattr(ledger, "_send", lambda slot: sent.append(len(ledger.verdicts.get(slot, []))) or real_send(slot))
+    slot = ledger.counter.update_producer()
     host_slots, device_slots = _slots([6, 7, 8]), _slots([20, 21, 22])
     for layer in range(host.layer_num):
         host.load_to_device_per_layer(device_pool, host_slots, device_slots, layer, "kernel")
+    ledger.counter.set_consumer(slot)
+    for layer in range(host.layer_num):
+        ledger.note_writes(layer, host.device_buffers[layer], torch.tensor([23 * 64, 23 * 64 + 1]))
     assert read(host, slot) == []
     assert len(checks) == host.layer_num
     assert len(moved) == 2  # the device and the host indices, once
+    assert [n for n in sent if n] == [2 * host.layer_num]  # one copy: each layer's read and key-write verdicts
+    assert integrity.COUNTERS["key_writes_checked"] >= 2 * host.layer_num
 
 
 def test_without_the_mode_the_same_corruption_passes_silently(stacks, monkeypatch):

@@ -14,8 +14,10 @@ happens, at its reader:
   kernel, on the indexer's stream and in its order): the loaded pages of that layer are
   checksummed as they are at that moment and compared with their backups on the GPU. A page
   whose load has not landed when the indexer reads it, or that a late write overwrote after
-  it landed, holds other bytes than its backup and mismatches. The per-page verdicts go to
-  pinned host memory by a non-blocking copy behind the comparison.
+  it landed, holds other bytes than its backup and mismatches. The verdicts of all the
+  forward's layers go to pinned host memory in one non-blocking copy, queued behind the last
+  layer's comparison (one copy a forward, not two a layer: on an H100 the per-layer copies were
+  about half of the check's host time, ``bench/results/gpu_serving/gpu_serving_h100_2026-12-06_checksum_54feba8.json``).
 - **Verdict** (:meth:`PageLedger.collect`, in the scheduler's processing of that batch's
   result, after upstream's own wait for the batch's outputs): mismatches are counted, logged
   with layer, host page and device page, and quarantined (:mod:`.request_fail`), which fails
@@ -138,13 +140,22 @@ class _Writes:
 
 @dataclass
 class _Report:
-    """One layer's verdicts on their way to the host: reads [pages, 4] (host page, device page, verdict, first
-    check) or, for ``writes``, one value per stored key (:func:`~dsv4_sm120.kernels.page_ledger.lost_keys`)."""
+    """A forward's verdicts on their way to the host, every layer's flattened into ``values`` one after the other:
+    per ``parts`` entry (layer, writes, count) either a load's read verdicts, ``count`` rows of 4 (host page, device
+    page, verdict, first check), or for ``writes`` one value per stored key
+    (:func:`~dsv4_sm120.kernels.page_ledger.lost_keys`)."""
 
-    layer: int
-    rows: torch.Tensor
+    parts: list
+    values: torch.Tensor
     landed: object  # a CUDA event recorded behind the copy, None off CUDA
-    writes: bool = False
+
+    def each(self):
+        """(layer, writes, verdicts) per part, the verdicts as a numpy array ([count, 4] for reads)."""
+        values, at = self.values.numpy(), 0
+        for layer, writes, n in self.parts:
+            size = n if writes else 4 * n
+            yield layer, writes, values[at:at + size] if writes else values[at:at + size].reshape(n, 4)
+            at += size
 
 
 def on_device(device: torch.device, indices: torch.Tensor) -> torch.Tensor:
@@ -182,7 +193,9 @@ class PageLedger:
         self.loads: dict[int, dict[int, list[_Load]]] = {}  # producer slot -> layer -> loads
         self.latest: dict[int, _Load] = {}  # producer slot -> its latest load (the one its next layers share)
         self.writes: dict[int, dict[int, list[_Writes]]] = {}  # consumer slot -> layer -> key stores
+        self.verdicts: dict[int, list] = {}  # consumer slot -> (layer, writes, verdicts on the GPU) not yet copied
         self.reports: dict[int, list[_Report]] = {}  # consumer slot -> verdicts in flight
+        self.last_layer = num_layers - 1  # the forward's last C4 read: its verdicts go to the host behind it
 
     @property
     def counter(self):
@@ -217,20 +230,23 @@ class PageLedger:
         """Compare this layer's pages loaded for the running forward with their backups, as they are now.
 
         ``rows`` is the layer's uint8 page-row buffer [num_pages, 16384]. Queues one launch per load (and
-        one per key store) and a non-blocking copy of each verdict; never waits.
+        one per key store), and at the forward's last C4 layer one copy of all its verdicts; never waits.
         """
         slot = self._consumer(rows)
         if slot < 0:
             return
+        verdicts = self.verdicts.setdefault(slot, [])
         for writes in self.writes.get(slot, {}).pop(layer, []):
             keys = rows.view(-1, SLOT_BYTES)
             lost = page_ledger.lost_keys(keys, writes.slots, writes.sums, keys.shape[0] // rows.shape[0])
-            self.reports.setdefault(slot, []).append(self._to_host(layer, lost, writes=True))
+            verdicts.append((layer, True, lost))
         for load in self.loads.get(slot, {}).pop(layer, []):
             device_indices, host_indices = load.indices_on(rows.device, self.device)
             report = page_ledger.check_pages(rows, device_indices, host_indices, load.slots_per_page, self.expected,
                                              self.recorded, self.verified, layer)
-            self.reports.setdefault(slot, []).append(self._to_host(layer, report))
+            verdicts.append((layer, False, report))
+        if layer == self.last_layer:
+            self._send(slot)
 
     def _consumer(self, rows: torch.Tensor) -> int:
         """The load slot of the running forward, -1 without one (decode graphs never load, nor check)."""
@@ -250,11 +266,17 @@ class PageLedger:
         sums = page_ledger.key_sums(rows.view(-1, SLOT_BYTES), slots)
         self.writes.setdefault(slot, {}).setdefault(layer, []).append(_Writes(slots, sums))
 
-    @staticmethod
-    def _to_host(layer: int, report: torch.Tensor, writes: bool = False) -> _Report:
-        if report.device.type != "cuda":
-            return _Report(layer, report.clone(), None, writes)
-        return _Report(layer, *pinned_copy(report), writes)
+    def _send(self, slot: int) -> None:
+        """The verdicts of the forward that consumes ``slot`` so far, to the host in one non-blocking copy."""
+        verdicts = self.verdicts.pop(slot, [])
+        if not verdicts:
+            return
+        parts = [(layer, writes, int(v.shape[0])) for layer, writes, v in verdicts]
+        values = torch.cat([v.reshape(-1) for _, _, v in verdicts])
+        if values.device.type != "cuda":
+            self.reports.setdefault(slot, []).append(_Report(parts, values, None))
+            return
+        self.reports.setdefault(slot, []).append(_Report(parts, *pinned_copy(values)))
 
     # --- verdict (the scheduler, processing the result of the forward that read the pages) ----
     def collect(self, slot: int) -> list[CorruptPage]:
@@ -269,32 +291,38 @@ class PageLedger:
         self.loads.pop(slot, None)  # the forward is done: what it did not read (no C4 layer ran) is dropped
         self.latest.pop(slot, None)
         self.writes.pop(slot, None)
+        self._send(slot)  # a forward that did not reach its last C4 layer (its copy is waited for just below)
+        totals = dict.fromkeys(("key_writes_checked", "key_writes_lost", "page_checks", "pages_verified",
+                                "page_rechecks", "pages_unrecorded"), 0)
         for report in self.reports.pop(slot, []):
             if report.landed is not None and not report.landed.query():
                 report.landed.synchronize()
-            rows = report.rows.numpy()
-            if report.writes:
-                lost = rows[rows >= 0]
-                count("key_writes_checked", int((rows != page_ledger.NO_SLOT).sum()))
-                if lost.size:
-                    count("key_writes_lost", int(lost.size))
-                    logger.error("index-K key write lost: layer=%d device_page=%d and %d key(s) in all changed "
-                                 "between their store and the C4 indexer's read (a load landed on them)",
-                                 report.layer, int(lost.min()), lost.size)
-                    found.append(CorruptPage(self.pool_name, report.layer, WRITES, int(lost.min())))
-                continue
-            # A load writes every layer of its device pages: whatever was quarantined there is gone now;
-            # this load's own mismatches quarantine them again.
-            if QUARANTINE.pages:
-                QUARANTINE.clear(rows[:, 1].tolist())
-            checked = rows[rows[:, 2] != UNRECORDED]
-            first = int(checked[:, 3].sum())
-            count("page_checks", len(checked))
-            count("pages_verified", first)
-            count("page_rechecks", len(checked) - first)
-            count("pages_unrecorded", len(rows) - len(checked))
-            for host_page, device_page in rows[rows[:, 2] == MISMATCH][:, :2].tolist():
-                found.append(CorruptPage(self.pool_name, report.layer, host_page, device_page))
+            for layer, writes, rows in report.each():
+                if writes:
+                    lost = rows[rows >= 0]
+                    totals["key_writes_checked"] += int((rows != page_ledger.NO_SLOT).sum())
+                    if lost.size:
+                        totals["key_writes_lost"] += int(lost.size)
+                        logger.error("index-K key write lost: layer=%d device_page=%d and %d key(s) in all changed "
+                                     "between their store and the C4 indexer's read (a load landed on them)",
+                                     layer, int(lost.min()), lost.size)
+                        found.append(CorruptPage(self.pool_name, layer, WRITES, int(lost.min())))
+                    continue
+                # A load writes every layer of its device pages: whatever was quarantined there is gone now;
+                # this load's own mismatches quarantine them again.
+                if QUARANTINE.pages:
+                    QUARANTINE.clear(rows[:, 1].tolist())
+                checked = rows[rows[:, 2] != UNRECORDED]
+                first = int(checked[:, 3].sum())
+                totals["page_checks"] += len(checked)
+                totals["pages_verified"] += first
+                totals["page_rechecks"] += len(checked) - first
+                totals["pages_unrecorded"] += len(rows) - len(checked)
+                for host_page, device_page in rows[rows[:, 2] == MISMATCH][:, :2].tolist():
+                    found.append(CorruptPage(self.pool_name, layer, host_page, device_page))
+        for name, n in totals.items():
+            if n:
+                count(name, n)
         if any(page.host_page != WRITES for page in found):
             count("mismatches", sum(page.host_page != WRITES for page in found))
         for page in found:
