@@ -150,12 +150,16 @@ def _prefill_logs(started: list, pair_tags: list[str], pairs: list) -> dict:
 def server_side(prefill_logs: dict, runs: list[dict]) -> dict:
     """Per target, its prefill's own pace over the run (:func:`step_log.prefill_busy`), and the bars' ratios of
     it: the servers' logs time each batch, where the clients' levels of a few seconds each spread by more than
-    the bars (the first panel's servers of one configuration differed by 20%). A ratio is taken only between two
-    targets that ran the same levels (a stopped run's last round may have reached one and not the other)."""
-    pace = {name: step_log.prefill_busy(Path(log).read_text(errors="replace")) if Path(log).exists() else {}
-            for name, log in prefill_logs.items()}
+    the bars (the first panel's servers of one configuration differed by 20%). ``new_tokens_per_s_ratios`` divide
+    the paces; ``matched_ratios`` compare the two prefills on the same batch (:func:`step_log.matched_ratio`,
+    with a 95% interval), which the bars are held on: two servers' paces differ by what their batches held. A
+    ratio is taken only between two targets that ran the same levels (a stopped run's last round may have
+    reached one and not the other)."""
+    texts = {name: Path(log).read_text(errors="replace") if Path(log).exists() else "" for name, log in prefill_logs.items()}
+    pace = {name: step_log.prefill_busy(text) if text else {} for name, text in texts.items()}
+    batches = {name: step_log.busy_batches(text) for name, text in texts.items()}
     levels = {name: sorted((r["round"], r["concurrency"]) for r in runs if r["target"] == name) for name in pace}
-    ratios, unequal = {}, []
+    ratios, matched, unequal = {}, {}, []
     for name, num, den, figure in RATIOS:
         if figure != "output_tokens_per_s" or not (pace.get(num, {}).get("batches") and pace.get(den, {}).get("batches")):
             continue
@@ -163,7 +167,9 @@ def server_side(prefill_logs: dict, runs: list[dict]) -> dict:
             unequal.append(name)
             continue
         ratios[name] = round(pace[num]["new_tokens_per_s"] / pace[den]["new_tokens_per_s"], 4)
-    return {"prefill": pace, "new_tokens_per_s_ratios": ratios, "not_the_same_levels": unequal}
+        matched[name] = step_log.matched_ratio(batches[num], batches[den])
+    return {"prefill": pace, "new_tokens_per_s_ratios": ratios, "matched_ratios": matched,
+            "not_the_same_levels": unequal}
 
 
 def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict, out: dict,

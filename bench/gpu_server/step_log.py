@@ -7,7 +7,13 @@ clean when each of its steps decoded the visit's whole batch: its line shows N e
 not the visit's first line, whose window reaches back over the idle gap and the previous visit's last steps.
 
 Prefill pace. :func:`prefill_busy` reads sglang's ``Prefill batch`` lines as the time each batch took while
-requests waited (the ``agents`` set's server-side figure beside its clients').
+requests waited (the ``agents`` set's server-side figure beside its clients'). Two servers under the same
+traffic do not run the same batches: which histories are on the device, on the host or gone differs, and a
+batch's time grows with its cached tokens too (its new tokens attend over them), so their new tokens a second
+differ by what their batches held (two servers of one configuration by 13% on an H100). :func:`matched_ratio`
+compares them on one batch instead: each server's batch time is fitted as ``a + b * new + c * cached`` (least
+squares over its busy batches), both fits are read at the two servers' mean batch, and the ratio of the two
+times is given with a bootstrap 95% interval (batches resampled within each server).
 
 Kernels. A torch profile of a few decode steps (sglang's ``/start_profile``) holds every GPU kernel the steps
 ran; :func:`kernel_table` gives each kernel's launches and GPU time per step, the package's own kernels
@@ -43,6 +49,51 @@ def visit_step_ms(log_text: str, batch: int) -> float | None:
     return round(statistics.median(steps), 4) if steps else None
 
 
+def busy_batches(log_text: str) -> list[tuple[int, int, float]]:
+    """(new tokens, cached tokens, seconds) of each prefill batch logged with requests queued behind it."""
+    out = []
+    for n, c, queued, thr in PREFILL.findall(log_text):
+        n, thr = int(n), float(thr)
+        if int(queued) > 0 and thr > 0 and n / thr < BUSY_GAP_S:
+            out.append((n, int(c), n / thr))
+    return out
+
+
+MIN_FIT_BATCHES = 12  # fewer busy batches than this give no fit
+BOOTSTRAP = 400
+
+
+def _batch_time(batches, at) -> float:
+    """The least-squares ``a + b * new + c * cached`` of these batches' seconds, read at ``at`` = (new, cached)."""
+    import numpy as np
+
+    x = np.asarray(batches, dtype=float)
+    design = np.c_[np.ones(len(x)), x[:, 0] / 1e3, x[:, 1] / 1e3]
+    coef = np.linalg.lstsq(design, x[:, 2], rcond=None)[0]
+    return float(coef @ [1.0, at[0] / 1e3, at[1] / 1e3])
+
+
+def matched_ratio(num: list, den: list, seed: int = 0) -> dict | None:
+    """Prefill speed of ``num`` over ``den`` (:func:`busy_batches` of each) on the same batch: the fitted time of
+    ``den``'s batches over ``num``'s at the mean batch of both, with its bootstrap 95% interval; None with fewer
+    than ``MIN_FIT_BATCHES`` on either side."""
+    import numpy as np
+
+    if min(len(num), len(den)) < MIN_FIT_BATCHES:
+        return None
+    both = np.asarray(num + den, dtype=float)
+    at = (both[:, 0].mean(), both[:, 1].mean())
+    rng = np.random.default_rng(seed)
+    draws = []
+    for _ in range(BOOTSTRAP):
+        a = [num[i] for i in rng.integers(0, len(num), len(num))]
+        b = [den[i] for i in rng.integers(0, len(den), len(den))]
+        draws.append(_batch_time(b, at) / _batch_time(a, at))
+    return {"ratio": round(_batch_time(den, at) / _batch_time(num, at), 4),
+            "low": round(float(np.percentile(draws, 2.5)), 4), "high": round(float(np.percentile(draws, 97.5)), 4),
+            "at_new_tokens": round(at[0]), "at_cached_tokens": round(at[1]), "batches": [len(num), len(den)]}
+
+
 def prefill_busy(log_text: str) -> dict:
     """The prefill's own pace over a log: the batches it ran with requests queued behind them.
 
@@ -52,12 +103,8 @@ def prefill_busy(log_text: str) -> dict:
     admission). Only batches with a queue behind them are taken (the scheduler was never idle between the
     two lines), and gaps over ``BUSY_GAP_S``. Returns their count, the mean and median ms a batch, new tokens a
     second over them and their cached tokens per new token (the same traffic gives the same ratio)."""
-    gaps, new, cached = [], 0, 0
-    for n, c, queued, thr in PREFILL.findall(log_text):
-        n, thr = int(n), float(thr)
-        if int(queued) > 0 and thr > 0 and n / thr < BUSY_GAP_S:
-            gaps.append(n / thr)
-            new, cached = new + n, cached + int(c)
+    batches = busy_batches(log_text)
+    gaps, new, cached = [t for _, _, t in batches], sum(n for n, _, _ in batches), sum(c for _, c, _ in batches)
     if not gaps:
         return {"batches": 0}
     return {"batches": len(gaps), "ms_per_batch": round(1e3 * sum(gaps) / len(gaps), 2),

@@ -100,3 +100,30 @@ def test_the_agents_set_holds_its_bars_on_the_prefills_own_pace(tmp_path):
     assert side["prefill"]["hc_fp8"] == {}
     assert side["new_tokens_per_s_ratios"] == {"checksum_throughput": pytest.approx(1600 / 0.5 / (1600 / 0.4), abs=1e-4)}
     assert side["not_the_same_levels"] == ["same_config_throughput"]
+    assert side["matched_ratios"] == {"checksum_throughput": None}  # two busy batches each: too few to fit
+
+
+def _batches(seconds_of, mix, n=60, seed=1):
+    """n busy batches of ``mix`` (mean new, mean cached tokens) timed by ``seconds_of(new, cached)`` plus noise."""
+    import random
+
+    rnd = random.Random(seed)
+    out = []
+    for _ in range(n):
+        new, cached = rnd.randint(mix[0] // 2, mix[0] * 3 // 2), rnd.randint(mix[1] // 2, mix[1] * 3 // 2)
+        out.append((new, cached, seconds_of(new, cached) * rnd.uniform(0.97, 1.03)))
+    return out
+
+
+def test_two_prefills_are_compared_on_the_same_batch_not_on_what_their_batches_held():
+    """Same cost per new and per cached token, different batch mixes: their new tokens a second differ by 30%,
+    their speed on the same batch does not; a prefill 8% slower a batch shows as such, with an interval."""
+    cost = lambda new, cached: 0.010 + 40e-6 * new + 7e-6 * cached  # noqa: E731 (a server's batch time)
+    light, heavy = _batches(cost, (4000, 20000)), _batches(cost, (3000, 40000), seed=2)
+    pace = lambda bs: sum(b[0] for b in bs) / sum(b[2] for b in bs)  # noqa: E731
+    assert pace(heavy) / pace(light) < 0.75  # what the paces say
+    same = step_log.matched_ratio(heavy, light)
+    assert same["ratio"] == pytest.approx(1.0, abs=0.02) and same["low"] < 1.0 < same["high"]
+    slower = step_log.matched_ratio(_batches(lambda n, c: 1.08 * cost(n, c), (3000, 40000), seed=3), light)
+    assert slower["ratio"] == pytest.approx(1 / 1.08, abs=0.02) and slower["high"] < 1.0
+    assert step_log.matched_ratio(light[:5], light) is None  # too few batches to fit
