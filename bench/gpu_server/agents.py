@@ -100,12 +100,15 @@ def agent(front: str, metrics_url: str, concurrency: int, out: Path) -> dict:
 
 
 def profile(front: str, metrics_url: str, work: Path, name: str) -> dict:
-    """One C=64 level on ``front`` with sglang's profiler on for ``PROFILE_STEPS`` forward steps of the server at
-    ``metrics_url``: the trace's host ops, CUDA runtime calls and kernels by time (a host wait shows as a stream or
-    event synchronize among the runtime calls). Untimed: a profiled level is slower."""
+    """One C=64 level on ``front`` with sglang's profiler on for its first ``PROFILE_STEPS`` forward steps (the
+    burst's prefill batches) at ``metrics_url``: the trace's host ops, CUDA runtime calls and kernels by time (a
+    host wait shows as a stream or event synchronize among the runtime calls) and each kind of step's host time
+    and GPU span (``steps``). Python calls are not recorded: sglang's stack recording slowed the host of a
+    profiled level several times over (an H100 run's profiled prefill steps took 120 ms of host for 6-8 ms of
+    GPU work). Untimed: a profiled level is slower."""
     out_dir = work / f"profile_{name}"
     return hicache.profiled(metrics_url, out_dir, lambda: agent(front, metrics_url, 64, out_dir / "level.json"), name,
-                            wait_s=0.5, steps=PROFILE_STEPS, timeout=PROFILE_TIMEOUT_S)
+                            wait_s=0.0, steps=PROFILE_STEPS, timeout=PROFILE_TIMEOUT_S, with_stack=False)
 
 
 def _spread(values: list[float]) -> dict:

@@ -376,11 +376,12 @@ def cost_profile(url: str, work_dir, name: str, timeout: float = 90) -> dict:
                     steps=PROFILE_STEPS, timeout=timeout)
 
 
-def profiled(url: str, out_dir, work, name: str, *, wait_s: float, steps: int, timeout: float) -> dict:
+def profiled(url: str, out_dir, work, name: str, *, wait_s: float, steps: int, timeout: float,
+             with_stack: bool = True) -> dict:
     """``work()`` with sglang's profiler on for ``steps`` forward steps of the server at ``url``, host and GPU
     (:func:`traffic.profile_window`): the trace by category (:func:`host_and_gpu_top`), or why there is none."""
     trace = traffic.profile_window(url, out_dir, work, wait_s=wait_s, steps=steps, activities=["CPU", "GPU"],
-                                   name=name, timeout=timeout)
+                                   name=name, timeout=timeout, with_stack=with_stack)
     if trace is None:
         return {"error": f"no trace in {out_dir} after {timeout:.0f}s"}
     return {"steps": steps, **host_and_gpu_top(trace)}
@@ -408,7 +409,31 @@ def host_and_gpu_top(trace_path, top: int = 15) -> dict:
     calls = time_of["python_function"]
     summary["package"] = [(k[-120:], round(v, 1), count["python_function"][k]) for k, v in calls.most_common()
                           if "dsv4_sm120" in k]
+    summary["steps"] = step_spans(events)
     return summary
+
+
+STEP = re.compile(r"^step\[(\w+)")  # sglang's annotation of a forward step: step[EXTEND bs=5 toks=253], step[DECODE bs=6]
+
+
+def step_spans(events: list) -> dict:
+    """Per kind of forward step (EXTEND, DECODE, ...) from sglang's ``step[...]`` annotations: how many, the host
+    time of each (its CPU annotation) and the span of its GPU work (its GPU annotation), summed, in ms. A step
+    whose GPU span is near its host time kept the GPU waiting on the host; one whose GPU span is longer was the
+    GPU's."""
+    out: dict = {}
+    for ev in events:
+        match = STEP.match(str(ev.get("name", "")))
+        if match is None or "dur" not in ev or ev.get("cat") not in ("user_annotation", "gpu_user_annotation"):
+            continue
+        kind = out.setdefault(match.group(1), {"steps": 0, "host_ms": 0.0, "gpu_ms": 0.0})
+        if ev["cat"] == "user_annotation":
+            kind["steps"] += 1
+            kind["host_ms"] += ev["dur"] / 1e3
+        else:
+            kind["gpu_ms"] += ev["dur"] / 1e3
+    return {k: {"steps": v["steps"], "host_ms": round(v["host_ms"], 2), "gpu_ms": round(v["gpu_ms"], 2)}
+            for k, v in out.items()}
 
 
 TOPK_SERVERS = ("eager_off", "control_fence_in_delayed", "control_no_fence_delayed_unchecked")

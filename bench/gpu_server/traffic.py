@@ -145,19 +145,24 @@ def get_text(url: str, path: str, timeout: float = 30) -> str:
 
 
 def profile_window(url: str, out_dir, work, *, wait_s: float, steps: int, activities: list[str], name: str,
-                   timeout: float):
+                   timeout: float, with_stack: bool = True):
     """sglang's profiler on ``steps`` forward steps of ``work()`` (run on its own thread, the profile started
-    ``wait_s`` after it): the trace it wrote (``*.trace.json.gz`` under ``out_dir``), or None after ``timeout``."""
+    ``wait_s`` after it; with ``wait_s`` 0 the profile is started first, so its steps are the work's first):
+    the trace it wrote (``*.trace.json.gz`` under ``out_dir``), or None after ``timeout``. ``with_stack``:
+    sglang records every Python call (its default), which slows the host several times over."""
     import threading
     from pathlib import Path
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     worker = threading.Thread(target=work, daemon=True)
-    worker.start()
-    time.sleep(wait_s)
+    if wait_s > 0:
+        worker.start()
+        time.sleep(wait_s)
     request(url, "/start_profile", {"output_dir": str(out_dir), "num_steps": steps, "activities": activities,
-                                    "profile_id": name}, timeout=timeout)
+                                    "profile_id": name, "with_stack": with_stack}, timeout=timeout)
+    if wait_s <= 0:
+        worker.start()
     worker.join(timeout)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

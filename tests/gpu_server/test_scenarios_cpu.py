@@ -343,7 +343,11 @@ def test_the_cost_profile_sums_host_ops_runtime_calls_and_kernels_by_name(tmp_pa
               {"cat": "cuda_runtime", "name": "cudaEventSynchronize", "dur": 900.0},
               {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "dur": 3.0},
               {"cat": "kernel", "name": "_check_kernel", "dur": 2.5}, {"cat": "python_function", "name": "x", "dur": 1},
-              {"cat": "python_function", "name": "dsv4_sm120/index_k/integrity.py(190): check_reads", "dur": 40.0}]
+              {"cat": "python_function", "name": "dsv4_sm120/index_k/integrity.py(190): check_reads", "dur": 40.0},
+              {"cat": "user_annotation", "name": "step[EXTEND bs=5 toks=253]", "dur": 9000.0},
+              {"cat": "gpu_user_annotation", "name": "step[EXTEND bs=5 toks=253]", "dur": 30000.0},
+              {"cat": "user_annotation", "name": "step[DECODE bs=6]", "dur": 2000.0},
+              {"cat": "user_annotation", "name": "scheduler.run_batch", "dur": 5.0}]
     trace = tmp_path / "t.trace.json.gz"
     with gzip.open(trace, "wt") as f:
         json.dump({"traceEvents": events}, f)
@@ -352,6 +356,8 @@ def test_the_cost_profile_sums_host_ops_runtime_calls_and_kernels_by_name(tmp_pa
     assert top["cuda_runtime"]["top"][0] == ("cudaEventSynchronize", 900.0, 1)
     assert top["kernel"]["total_us"] == 2.5
     assert top["package"] == [("dsv4_sm120/index_k/integrity.py(190): check_reads", 40.0, 1)]
+    assert top["steps"] == {"EXTEND": {"steps": 1, "host_ms": 9.0, "gpu_ms": 30.0},
+                            "DECODE": {"steps": 1, "host_ms": 2.0, "gpu_ms": 0.0}}
 
 
 def test_the_record_names_the_package_that_ran_the_bundles_wheel_or_a_checkout_before_it(tmp_path):
@@ -363,3 +369,19 @@ def test_the_record_names_the_package_that_ran_the_bundles_wheel_or_a_checkout_b
     assert run.package_commit(record, bundle) == "2348176"
     record["versions"]["dsv4_sm120_path"] = "/tmp/ck/src/dsv4_sm120/__init__.py"
     assert run.package_commit(record, bundle) == "54feba8"
+
+
+def test_a_profile_started_first_covers_the_works_first_steps_without_the_stack(monkeypatch, tmp_path):
+    """The agents set's profile is asked for before its level's traffic (its steps are the burst's prefills), and
+    without sglang's Python stack recording."""
+    order = []
+    monkeypatch.setattr(traffic, "request", lambda url, path, body, timeout: order.append((path, body["with_stack"])))
+    trace = tmp_path / "x.trace.json.gz"
+
+    def work():
+        order.append("work")
+        trace.write_bytes(b"")
+
+    assert traffic.profile_window("http://127.0.0.1:1", tmp_path, work, wait_s=0.0, steps=3, activities=["GPU"],
+                                  name="p", timeout=5.0, with_stack=False) == trace
+    assert order == [("/start_profile", False), "work"]
