@@ -164,10 +164,11 @@ def test_a_layer_on_one_stream_queries_and_stores_its_keys_in_one_launch(kv, ker
     assert "_query_store_kernel" in names and "_query_kernel" not in names and "_store_kernel" not in names, names
 
 
-def _forward(c, **kw):
+def _forward(c, mode=None, **kw):
     from sglang.srt.layers.attention.dsv4 import indexer as upstream_indexer
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    fb = SimpleNamespace(forward_mode=SimpleNamespace(is_idle=lambda: False))
+    fb = SimpleNamespace(forward_mode=ForwardMode.DECODE if mode is None else mode)
     old = upstream_indexer.get_global_indexer_capturer
     upstream_indexer.get_global_indexer_capturer = lambda: None  # no runtime resources published in this process
     try:
@@ -381,9 +382,28 @@ def test_integrity_mode_checks_the_pages_the_indexer_reads_just_before_its_logit
     real = deepseek_v4.bf16_paged_mqa_logits
     monkeypatch.setattr(deepseek_v4, "bf16_paged_mqa_logits",
                         lambda *a, **k: calls.append(("logits",)) or real(*a, **k))
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
     monkeypatch.setattr(integrity, "LEDGER", Ledger())
     c = _decode_case(kv, 4, chunk_rows=1)
-    _forward(c, skip_compressor=True)
+    _forward(c, ForwardMode.EXTEND, skip_compressor=True)
     layer = kv.layer_mapping[C4_LAYER].compress_layer_id
     assert calls[0] == ("check", layer, c.pages.data_ptr(), (c.pages.shape[0], 64 * 256))
     assert [k[0] for k in calls[1:]] == ["logits", "logits"]  # one per chunk, after the check
+
+
+def test_integrity_mode_leaves_decode_and_verify_steps_alone(kv, kern, env_torch_logits, monkeypatch):
+    """A decode or verify step consumes no HiCache load of its own, but names the load slot of the prefill batch
+    its running batch started as (upstream keeps it): the ledger is handed nothing by such a step."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from dsv4_sm120.index_k import integrity
+
+    handed = []
+    ledger = SimpleNamespace(check_reads=lambda *a: handed.append(a), note_writes=lambda *a: handed.append(a))
+    monkeypatch.setattr(integrity, "LEDGER", ledger)
+    for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        _forward(_decode_case(kv, 5), mode, skip_compressor=True)
+    assert handed == []
+    _forward(_decode_case(kv, 5), ForwardMode.EXTEND, skip_compressor=True)
+    assert handed  # the control: a prefill's reads are checked

@@ -10,7 +10,8 @@ happens, at its reader:
 - **Load** (:meth:`PageLedger.note_load`, inside upstream's per-layer load): the load's host
   and device indices are noted under the load's producer slot of upstream's
   ``LayerDoneCounter``, the slot the batch that reads them consumes. No GPU work, no wait.
-- **Read** (:meth:`PageLedger.check_reads`, called by the C4 indexer just before its logits
+- **Read** (:meth:`PageLedger.check_reads`, called by the C4 indexer of a prefill forward (the only kind
+  that consumes a load; ``model.deepseek_v4.reads_checked``) just before its logits
   kernel, on the indexer's stream and in its order): the loaded pages of that layer are
   checksummed as they are at that moment and compared with their backups on the GPU. A page
   whose load has not landed when the indexer reads it, or that a late write overwrote after

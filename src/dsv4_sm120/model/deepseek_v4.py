@@ -75,7 +75,7 @@ class BF16C4Indexer(C4Indexer):
             else:
                 q, weights = self.query_and_store(x, q_lora, positions, q_lora_quant, forward_batch, attn_backend,
                                                   inputs)
-        select_topk(self, attn_backend, inputs, q, weights)
+        select_topk(self, attn_backend, inputs, q, weights, checked=reads_checked(forward_batch))
 
     def query_and_store(self, x, q_lora, positions, q_lora_quant, forward_batch, attn_backend,
                         inputs: "TopkInputs") -> tuple:
@@ -86,7 +86,7 @@ class BF16C4Indexer(C4Indexer):
         call = inputs.query_store_call(positions, keys, self.n_local_heads, self.head_dim)
         out = call(self.query_rows(q_lora, q_lora_quant), weights, self.weight_scale, self.freqs_cis, keys.kv,
                    keys.pages, norm_weight=keys.norm.weight, norm_eps=keys.norm.variance_epsilon, k_freqs=keys.freqs)
-        note_key_writes(attn_backend, self, keys)
+        note_key_writes(attn_backend, self, keys, forward_batch)
         return out
 
     def query(self, q_lora, positions, weights, q_lora_quant, inputs: "TopkInputs") -> tuple:
@@ -176,12 +176,24 @@ def store_index_keys(indexer: C4Indexer, backend, x: torch.Tensor, forward_batch
     store_index_k_bf16(keys.kv, keys.pages, keys.out_loc, norm_weight=keys.norm.weight,
                        norm_eps=keys.norm.variance_epsilon, freqs=keys.freqs, mode=keys.mode, plan=keys.plan,
                        compress_ratio=C4_RATIO)
-    note_key_writes(backend, indexer, keys)
+    note_key_writes(backend, indexer, keys, forward_batch)
 
 
-def note_key_writes(backend, indexer: C4Indexer, keys: CompressedKeys) -> None:
+def reads_checked(forward_batch) -> bool:
+    """Whether integrity mode checks this forward's key stores and reads: a forward that may consume a HiCache
+    load, which only a prefill (extend) batch starts. A decode or verify step consumes none of its own, yet
+    names one: upstream's running batch is the first prefill batch it merged, load slot included, and every step
+    sets that slot as the consumer (sglang 0.5.23 ``Scheduler.get_next_batch_to_run``: ``running_batch =
+    last_batch``), so an eager decode step would check and count under a slot another forward has since taken."""
+    if integrity.LEDGER is None:
+        return False
+    mode = forward_batch.forward_mode
+    return not (mode.is_decode() or mode.is_target_verify() or mode.is_idle())
+
+
+def note_key_writes(backend, indexer: C4Indexer, keys: CompressedKeys, forward_batch) -> None:
     """Integrity mode: what was stored must still be there at the read."""
-    if integrity.LEDGER is not None:
+    if reads_checked(forward_batch):
         integrity.note_writes(backend.token_to_kv_pool, indexer.layer_id, keys.pages.view(torch.uint8).flatten(1),
                               keys.out_loc)
 
@@ -280,8 +292,10 @@ def forward_topk_inputs(backend, q_lora: torch.Tensor) -> TopkInputs:
     return topk_inputs(im, core, rows, step, q_lora.device)
 
 
-def select_topk(indexer: C4Indexer, backend, inputs: TopkInputs, q: torch.Tensor, weights: torch.Tensor) -> None:
-    """Score every query row against its request's bf16 keys and write the top-k pool slots upstream reads."""
+def select_topk(indexer: C4Indexer, backend, inputs: TopkInputs, q: torch.Tensor, weights: torch.Tensor, *,
+                checked: bool = False) -> None:
+    """Score every query row against its request's bf16 keys and write the top-k pool slots upstream reads;
+    ``checked`` (:func:`reads_checked`): integrity mode checks the layer's loaded pages first."""
     im, core = backend.forward_metadata.indexer_metadata, backend.forward_metadata.core_metadata
     rows, step = inputs.rows, inputs.step
     capturer = upstream_indexer.get_global_indexer_capturer()
@@ -289,7 +303,7 @@ def select_topk(indexer: C4Indexer, backend, inputs: TopkInputs, q: torch.Tensor
     if raw is None and capturer is not None:
         raw = torch.empty_like(inputs.out_pages)
     pages = backend.token_to_kv_pool.index_k_pages_bf16(indexer.layer_id)  # behind the HiCache load fence
-    if integrity.LEDGER is not None:  # integrity mode: this layer's loaded pages, as this read finds them
+    if checked:  # integrity mode: this layer's loaded pages, as this read finds them
         integrity.check_reads(backend.token_to_kv_pool, indexer.layer_id, pages.view(torch.uint8).flatten(1))
     if inputs.call is not None:  # one chunk: everything but this layer's queries, weights and pool is bound
         logits = inputs.call(q, pages, weights)
