@@ -95,6 +95,22 @@ def test_set_then_read_follows_the_page_contract(built):
     assert not other.view(torch.uint8).any(), "a write to one layer leaked into another"
 
 
+def test_a_layers_bf16_page_view_is_made_once_and_follows_its_buffer(built):
+    """The C4 indexer asks for a layer's bf16 pages twice a step: the same view each time (made once: the kernels'
+    plans then find its layout by identity), one per layer, seeing every write, and made anew if upstream gives
+    the layer another buffer."""
+    kv = built("dsv4", "bf16").token_to_kv_pool
+    first, second = kv.index_k_pages_bf16(C4_LAYERS[0]), kv.index_k_pages_bf16(C4_LAYERS[1])
+    assert kv.index_k_pages_bf16(C4_LAYERS[0]) is first and second is not first
+    kv.set_index_k_bf16(C4_LAYERS[0], torch.tensor([5]), torch.ones(1, 128, dtype=torch.bfloat16))
+    assert torch.equal(first.view(-1, 128)[5], torch.ones(128, dtype=torch.bfloat16))
+    pool = kv.index_pools[4]
+    local = kv.layer_mapping[C4_LAYERS[0]].compress_layer_id
+    pool.index_k_with_scale_buffer[local] = pool.index_k_with_scale_buffer[local].clone()
+    fresh = kv.index_k_pages_bf16(C4_LAYERS[0])
+    assert fresh is not first and fresh.data_ptr() == pool.index_k_with_scale_buffer[local].data_ptr()
+
+
 class _PendingLoad:
     """Stands in for HiCache's LayerDoneCounter, whose events are CUDA events.
 

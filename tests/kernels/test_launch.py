@@ -73,6 +73,24 @@ def test_bound_logits_call_scores_as_the_wrapper_into_its_output(kern):
     assert len(ml._PLANS) == plans + 1, "the bound call shares the wrapper's plan (its defaults are the wrapper's)"
 
 
+def test_a_lasting_tensors_layout_is_read_once_and_kept_with_it(kern, monkeypatch):
+    """``lasting_key`` reads a pool view's or a table's layout once and finds it by identity after; the tensor is
+    held with its key (its id cannot name another tensor meanwhile), and a full table starts over."""
+    from dsv4_sm120.kernels import launch
+
+    monkeypatch.setattr(launch, "_LASTING", {})
+    monkeypatch.setattr(launch, "_LASTING_MAX", 2)
+    reads = []
+    real = launch.tensor_key
+    monkeypatch.setattr(launch, "tensor_key", lambda t: reads.append(t) or real(t))
+    a, b, c = torch.zeros(4, 2), torch.zeros(3, dtype=torch.bfloat16), torch.zeros(1)
+    assert launch.lasting_key(a) == real(a) and launch.lasting_key(a) == real(a)
+    assert launch.lasting_key(b) == real(b) and len(reads) == 2
+    assert launch._LASTING[id(a)][0] is a
+    launch.lasting_key(c)  # a third: the table of two starts over
+    assert list(launch._LASTING) == [id(c)]
+
+
 def test_plans_hold_no_tensor_and_refuse_bad_layouts_every_time(kern, monkeypatch):
     """A plan keeps no input or output alive, and a layout that fails its checks is refused again, not kept."""
     ml = kern.mqa_logits

@@ -42,6 +42,7 @@ class BF16IndexKPool(DeepSeekV4IndexerPool):
             size, page_size, dtype, index_head_dim, layer_num, device, enable_memory_saver,
             start_layer, end_layer, use_fp4_indexer=False, global_page_size=global_page_size,
         )
+        self._bf16_views: dict = {}  # local layer -> (its page rows, their bf16 view): see pages_bf16
 
     def get_bytes_per_token(self) -> int:
         return layout.BF16_BYTES_PER_TOKEN
@@ -62,9 +63,15 @@ class BF16IndexKPool(DeepSeekV4IndexerPool):
         return self.index_k_with_scale_buffer[local_layer]
 
     def pages_bf16(self, local_layer: int) -> torch.Tensor:
-        """bf16 [num_pages, 64, 128] view of one layer's page rows (no copy)."""
+        """bf16 [num_pages, 64, 128] view of one layer's page rows (no copy), made once per layer buffer: the C4
+        indexer asks for it twice a layer per step, and making the view took about 2 us of host time each (the
+        kernels' plans then find its layout by identity, ``kernels.launch.lasting_key``)."""
         rows = self.page_rows(local_layer)
-        return rows.view(torch.bfloat16).view(rows.shape[0], layout.SLOTS_PER_PAGE, layout.INDEX_HEAD_DIM)
+        kept = self._bf16_views.get(local_layer)
+        if kept is None or kept[0] is not rows:  # first ask, or upstream made the layer's buffer anew
+            kept = self._bf16_views[local_layer] = (
+                rows, rows.view(torch.bfloat16).view(rows.shape[0], layout.SLOTS_PER_PAGE, layout.INDEX_HEAD_DIM))
+        return kept[1]
 
     def write_slots(self, local_layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
         """Store ``keys`` (bf16 [n, 128]) at compressed ``slots`` (int64 [n])."""

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from dsv4_sm120.kernels._common import cdiv, interpreting
-from dsv4_sm120.kernels.launch import Launch, check_one_device, kept, same_memory, tensor_key
+from dsv4_sm120.kernels.launch import Launch, check_one_device, kept, lasting_key, same_memory, tensor_key
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, check_pages
 
 # Launch defaults, from the H200 sweeps in bench/results/kernels/indexer_h200_2026-12-01*.json (tune_*: decode
@@ -468,17 +468,25 @@ class LogitsCall:
     Every C4 layer of a forward scores its own queries against its own pool with the same lengths, page table and
     width into the same output, so a layer's call keys its plan on its three tensors only; the bound tensors'
     layouts are read once, when the forward binds them (each tensor's layout read costs an eager call
-    about a microsecond of an H200 host's time). Returns the bound output.
+    about a microsecond of an H200 host's time). The queries and weights are the forward's own buffers, the same
+    two tensors at every layer (``model.deepseek_v4.TopkInputs``): their layouts are read again only when other
+    tensors come (the last two are held); a pool's page views last as the pool does (``launch.lasting_key``).
+    Returns the bound output.
     """
 
-    __slots__ = ("seq_lens", "page_table", "max_seq_len", "out", "_plans")
+    __slots__ = ("seq_lens", "page_table", "max_seq_len", "out", "_plans", "_last")
 
     def __init__(self, seq_lens: torch.Tensor, page_table: torch.Tensor, max_seq_len: int, out: torch.Tensor):
         self.seq_lens, self.page_table, self.max_seq_len, self.out = seq_lens, page_table, max_seq_len, out
         self._plans: dict = {}  # (q, weights, pages) layouts -> _Plan; a forward meets one or two
+        self._last = (None, None, None)  # the last queries and weights met, and their layouts
 
     def __call__(self, q: torch.Tensor, pages: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        key = (tensor_key(q), tensor_key(weights), tensor_key(pages))
+        last_q, last_w, layouts = self._last
+        if q is not last_q or weights is not last_w:
+            layouts = (tensor_key(q), tensor_key(weights))
+            self._last = (q, weights, layouts)
+        key = (*layouts, lasting_key(pages))
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = _plan(q, pages, weights, self.seq_lens, self.page_table, self.max_seq_len,

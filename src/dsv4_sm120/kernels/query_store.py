@@ -31,7 +31,7 @@ from dsv4_sm120.kernels import index_k_store, index_query
 from dsv4_sm120.kernels._common import cdiv
 from dsv4_sm120.kernels.index_k_store import as_freqs_real, store_block
 from dsv4_sm120.kernels.index_query import query_block
-from dsv4_sm120.kernels.launch import Launch, kept, tensor_key
+from dsv4_sm120.kernels.launch import Launch, kept, lasting_key, tensor_key
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, ROPE_DIM
 
 QUERY_BLOCK, STORE_BLOCK = index_query.BLOCK_N, index_k_store.BLOCK_N
@@ -80,8 +80,9 @@ class QueryStoreCall:
 
     def __call__(self, q, weights, weight_scale: float, q_freqs, kv, pages, *, norm_weight, norm_eps: float,
                  k_freqs) -> tuple:
-        key = (tensor_key(q), tensor_key(weights), tensor_key(kv), tensor_key(pages), tensor_key(norm_weight),
-               tensor_key(q_freqs), tensor_key(k_freqs), weight_scale, norm_eps)
+        # the layer's activations and norm weight read anew; the pool's page view and the RoPE tables last
+        key = (tensor_key(q), tensor_key(weights), tensor_key(kv), lasting_key(pages), tensor_key(norm_weight),
+               lasting_key(q_freqs), lasting_key(k_freqs), weight_scale, norm_eps)
         plan = self._plans.get(key)
         if plan is None:  # a forward's first layer: the plan of a forward before it with these layouts
             if len(self._plans) >= _BOUND_PLANS_MAX:
