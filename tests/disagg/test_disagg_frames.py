@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -195,6 +197,14 @@ def _bootstrapped(pd, s) -> None:
         "the transfer info never bootstrapped the room")
 
 
+def _own_clock(pd, room: int) -> float:
+    """The sweeps are the test's from now on, on its own clock: the bootstrap loop's sweep on the real clock could
+    otherwise find the room first, a moment after the test's start, and every later time would be short by that."""
+    pd.hardening.sweep_every_s = float("inf")
+    pd.hardening.unheld_since.pop(room, None)
+    return time.monotonic()
+
+
 def _released(pd, room: int) -> bool:
     return room not in pd.prefill.request_status and room not in pd.prefill.transfer_infos
 
@@ -215,7 +225,6 @@ def test_a_failed_room_no_request_holds_is_released_when_its_decode_died(orphan_
     only the decode's ABORT got it released. Seen on an H200 PD pair: a decode killed mid-storm sends none,
     and two rooms stayed on the prefill for good."""
     import gc
-    import time
 
     from dsv4_sm120.disagg import bootstrap
 
@@ -225,7 +234,7 @@ def test_a_failed_room_no_request_holds_is_released_when_its_decode_died(orphan_
     s.sender.abort()
     s.sender = None  # the request is dropped; the decode is gone, so no ABORT comes
     gc.collect()
-    t0 = time.monotonic()
+    t0 = _own_clock(pd, s.room)
     pd.hardening.sweep_unheld_rooms(t0)
     assert not _released(pd, s.room), "released on the first sweep (a sender may still be opening)"
     pd.hardening.sweep_unheld_rooms(t0 + bootstrap.SWEEP_EVERY_S)
@@ -236,13 +245,11 @@ def test_a_failed_room_no_request_holds_is_released_when_its_decode_died(orphan_
 def test_a_room_its_decode_announced_and_no_request_claimed_is_released_after_both_timeouts(orphan_pd):
     """The decode's transfer info came; the prefill request never did (a rebootstrap cut off by the decode's
     death). A request may still come within the timeouts; after them, nobody will clear the room."""
-    import time
-
     pd = orphan_pd
     s = pd.open(prefill=False)
     _bootstrapped(pd, s)
     boot = pd.hardening
-    t0 = time.monotonic()
+    t0 = _own_clock(pd, s.room)
     boot.sweep_unheld_rooms(t0)
     boot.sweep_unheld_rooms(t0 + boot.unclaimed_after_s - 1)
     assert not _released(pd, s.room), "released while its request may still come"

@@ -99,6 +99,8 @@ class HardenedBootstrap:
         # A room the decode announced but no prefill request claimed is given up once both sides' timeouts
         # are over: by then the decode has failed the request (and a live one has sent its ABORT).
         self.unclaimed_after_s = float(mgr.bootstrap_timeout) + _waiting_timeout_s()
+        # How often the loop sweeps, on the real clock (a test that drives the sweeps with its own clock sets inf).
+        self.sweep_every_s = SWEEP_EVERY_S
 
     # -- thread -----------------------------------------------------------------------------
     def start(self) -> threading.Thread:
@@ -121,7 +123,7 @@ class HardenedBootstrap:
         try:
             while not self.stopping.is_set():
                 self.last_beat = time.monotonic()
-                if self.last_beat - last_sweep > SWEEP_EVERY_S:
+                if self.last_beat - last_sweep > self.sweep_every_s:
                     last_sweep = self.last_beat
                     self.sweep_unheld_rooms()
                 if not sock.poll(POLL_MS, zmq.POLLIN):
