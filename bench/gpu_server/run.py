@@ -43,8 +43,10 @@ VERSIONS_PY = (
     "import torch\n"
     "out['torch.cuda'] = torch.version.cuda\n"
     "out['nccl'] = '.'.join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None\n"
-    "import dsv4_sm120\n"
-    "out['dsv4_sm120_path'] = dsv4_sm120.__file__\n"
+    "try:\n"
+    "    import dsv4_sm120\n"
+    "    out['dsv4_sm120_path'] = dsv4_sm120.__file__\n"
+    "except ImportError: pass\n"
     "print(json.dumps(out))\n"
 )
 
