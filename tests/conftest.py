@@ -12,7 +12,9 @@
 """
 
 import os
+import sys
 
+import pytest
 import torch
 
 torch.set_num_threads(1)
@@ -39,3 +41,17 @@ def pytest_collection_modifyitems(items):
         return 2 if "disagg" in item.path.parts or item.path.name == "test_pd_integrity.py" else 1
 
     items.sort(key=order)
+
+
+@pytest.fixture(autouse=True)
+def _integrity_state_as_it_was():
+    """Integrity mode's process-wide state (the process's ledger, and whether requests are failed for bad pages)
+    put back after each test: a server builds one ledger, a test process builds several stacks, and a ledger
+    one test left set made a later test's forward check its key stores (a test-order failure on CI). Read only
+    where the module is already imported: importing it here would import Triton for every test."""
+    integrity = sys.modules.get("dsv4_sm120.index_k.integrity")
+    saved = (integrity.LEDGER, integrity.QUARANTINE.active) if integrity is not None else (None, False)
+    yield
+    integrity = sys.modules.get("dsv4_sm120.index_k.integrity")
+    if integrity is not None:
+        integrity.LEDGER, integrity.QUARANTINE.active = saved

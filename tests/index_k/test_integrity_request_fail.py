@@ -37,11 +37,15 @@ def _slots(pages):
 
 @pytest.fixture
 def stack(stacks, monkeypatch, request):
-    """The bf16 stack (checksummed or not), its pages backed up, one host byte flipped."""
+    """The bf16 stack (checksummed or not), its pages backed up, one host byte flipped; the process's integrity
+    state that of a server built with it (the stacks are cached: another test's build may have left its own)."""
+    from dsv4_sm120.index_k import integrity
     from dsv4_sm120.index_k.integrity import QUARANTINE
 
     result, built, _ = stacks("layer_first", checksum=request.param)
     host, device_pool = index_host(built), result.token_to_kv_pool.c4_indexer_kv_pool
+    monkeypatch.setattr(integrity, "LEDGER", host.index_k_ledger)
+    monkeypatch.setattr(QUARANTINE, "active", host.index_k_ledger is not None)
     cpu_page_mover.install(monkeypatch, host)
     QUARANTINE.pages.clear()
     gen = torch.Generator().manual_seed(11)

@@ -331,6 +331,7 @@ def test_chunked_metadata_for_other_rows_is_refused(kv, kern, env_torch_logits):
 def test_bf16_store_path_writes_the_decode_plan_slots(kv, kern, monkeypatch):
     from sglang.kernels.ops.attention.dsv4 import compress as upstream_compress
     from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     from dsv4_sm120.model.deepseek_v4 import BF16C4Indexer, store_index_keys
 
@@ -352,7 +353,7 @@ def test_bf16_store_path_writes_the_decode_plan_slots(kv, kern, monkeypatch):
                               _get_out_loc=lambda ratio: out_loc)
     pages = kv.index_k_pages_bf16(C4_LAYER)
     pages[3:5] = float("nan")
-    store_index_keys(ind, backend, torch.zeros(3, 8), None)
+    store_index_keys(ind, backend, torch.zeros(3, 8), SimpleNamespace(forward_mode=ForwardMode.DECODE))
     expect = torch.full((5, PAGE, D), float("nan"), dtype=torch.bfloat16)
     kern.index_k_store.store_index_k_bf16_ref(compressed, expect, out_loc, norm_weight=comp.norm.weight,
                                               norm_eps=1e-6, freqs=ind.freqs_cis, mode="decode",
