@@ -151,7 +151,7 @@ def _prefill_logs(started: list, pair_tags: list[str], pairs: list) -> dict:
 
 
 def server_side(prefill_logs: dict, runs: list[dict]) -> dict:
-    """Per target, its prefill's own pace over the run (:func:`step_log.prefill_busy`), and the bars' ratios of
+    """Per target, its prefill's own pace over the run (:func:`step_log.prefill_pace`), and the bars' ratios of
     it: the servers' logs time each batch, where the clients' levels of a few seconds each spread by more than
     the bars (the first panel's servers of one configuration differed by 20%). ``new_tokens_per_s_ratios`` divide
     the paces; ``matched_ratios`` compare the two prefills on the same batch (:func:`step_log.matched_ratio`,
@@ -159,8 +159,8 @@ def server_side(prefill_logs: dict, runs: list[dict]) -> dict:
     ratio is taken only between two targets that ran the same levels (a stopped run's last round may have
     reached one and not the other)."""
     texts = {name: Path(log).read_text(errors="replace") if Path(log).exists() else "" for name, log in prefill_logs.items()}
-    pace = {name: step_log.prefill_busy(text) if text else {} for name, text in texts.items()}
     batches = {name: step_log.busy_batches(text) for name, text in texts.items()}
+    pace = {name: step_log.prefill_pace(batches[name]) if text else {} for name, text in texts.items()}
     levels = {name: sorted((r["round"], r["concurrency"]) for r in runs if r["target"] == name) for name in pace}
     ratios, matched, unequal = {}, {}, []
     for name, num, den, figure in RATIOS:

@@ -6,7 +6,7 @@ wall time). While N requests decode, every step makes N tokens, so that window's
 clean when each of its steps decoded the visit's whole batch: its line shows N equal to the batch, and it is
 not the visit's first line, whose window reaches back over the idle gap and the previous visit's last steps.
 
-Prefill pace. :func:`prefill_busy` reads sglang's ``Prefill batch`` lines as the time each batch took while
+Prefill pace. :func:`prefill_pace` reads sglang's ``Prefill batch`` lines as the time each batch took while
 requests waited (the ``agents`` set's server-side figure beside its clients'). Two servers under the same
 traffic do not run the same batches: which histories are on the device, on the host or gone differs, and a
 batch's time grows with its cached tokens too (its new tokens attend over them), so their new tokens a second
@@ -94,8 +94,8 @@ def matched_ratio(num: list, den: list, seed: int = 0) -> dict | None:
             "at_new_tokens": round(at[0]), "at_cached_tokens": round(at[1]), "batches": [len(num), len(den)]}
 
 
-def prefill_busy(log_text: str) -> dict:
-    """The prefill's own pace over a log: the batches it ran with requests queued behind them.
+def prefill_pace(batches: list[tuple[int, int, float]]) -> dict:
+    """The prefill's own pace over a log's :func:`busy_batches`: the batches it ran with requests queued behind them.
 
     sglang's ``Prefill batch`` line gives the batch's new tokens and ``input throughput``, new tokens over the
     time since the previous prefill line, so new / throughput is the time between the two lines: the batch's
@@ -103,7 +103,6 @@ def prefill_busy(log_text: str) -> dict:
     admission). Only batches with a queue behind them are taken (the scheduler was never idle between the
     two lines), and gaps over ``BUSY_GAP_S``. Returns their count, the mean and median ms a batch, new tokens a
     second over them and their cached tokens per new token (the same traffic gives the same ratio)."""
-    batches = busy_batches(log_text)
     gaps, new, cached = [t for _, _, t in batches], sum(n for n, _, _ in batches), sum(c for _, c, _ in batches)
     if not gaps:
         return {"batches": 0}

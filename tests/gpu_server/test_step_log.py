@@ -77,12 +77,12 @@ PREFILL_LOG = """\
 
 def test_the_prefill_pace_counts_only_batches_with_a_queue_behind_them():
     # the first line has no queue (warm-up, idle before it); the last one's gap (5 s) spans idle time
-    pace = step_log.prefill_busy(PREFILL_LOG)
+    pace = step_log.prefill_pace(step_log.busy_batches(PREFILL_LOG))
     assert pace["batches"] == 2
     assert pace["ms_per_batch"] == pytest.approx(1e3 * (0.1 + 0.3) / 2)
     assert pace["new_tokens_per_s"] == pytest.approx(1600 / 0.4)
     assert pace["cached_per_new"] == pytest.approx(6000 / 1600, abs=1e-3)
-    assert step_log.prefill_busy("") == {"batches": 0}
+    assert step_log.prefill_pace(step_log.busy_batches("")) == {"batches": 0}
 
 
 def test_the_agents_set_holds_its_bars_on_the_prefills_own_pace(tmp_path):
