@@ -153,6 +153,41 @@ def test_one_launch_writes_what_the_query_and_the_store_write(kern, mode, monkey
     assert torch.equal(pool.view(torch.int16), want_pages.view(torch.int16))  # NaN slots untouched in both
 
 
+def test_a_layers_one_launch_reads_only_its_own_tensors_addresses(kern, monkeypatch):
+    """A forward binds its buffers (positions, slots, plan rows, the query's outputs) once; a C4 layer's call then
+    reads the addresses of its own seven tensors and no layout of those that last (pool view, norm weight, RoPE
+    tables), and hands the direct launch every address in the kernel's order, the bound ones as first read."""
+    from dsv4_sm120.kernels import launch
+
+    g = _gen(8)
+    tokens, heads = 2, 16
+    qf = kf = freqs_cis(64, g)
+    pos, out_loc, plan = torch.tensor([4, 9]), torch.tensor([0, 1]), decode_plan([4, 8])
+    pool, norm = torch.zeros(1, PAGE, D, dtype=torch.bfloat16), torch.ones(D)
+    out = (torch.empty(tokens, heads, D, dtype=torch.bfloat16), torch.empty(tokens, heads, 1))
+    call = kern.query_store.QueryStoreCall(pos, out, out_loc, plan, "decode")
+
+    def layer():  # a layer's own activations: new tensors of one layout
+        return (torch.randn(tokens, heads, D, generator=g).to(torch.bfloat16),
+                torch.randn(tokens, heads, generator=g).to(torch.bfloat16), torch.randn(tokens, D, generator=g))
+
+    q, w, kv = layer()
+    call(q, w, 0.5, qf, kv, pool, norm_weight=norm, norm_eps=1e-6, k_freqs=kf)  # the forward's first layer: its plan
+    (bound,) = call._plans.values()
+    launched, reads, layouts = [], [], []
+    bound.launch.direct["here"] = lambda grid, args: launched.append(args)
+    monkeypatch.setattr(launch, "DIRECT", True)
+    monkeypatch.setattr(launch, "_device_getter", lambda: lambda: "here")
+    monkeypatch.setattr(launch, "_DATA_PTR", lambda t: reads.append(t) or t.data_ptr())
+    for module in (launch, kern.query_store):
+        monkeypatch.setattr(module, "tensor_key", lambda t: layouts.append(t) or (t.shape, t.stride(), t.dtype, t.device))
+    q, w, kv = layer()
+    call(q, w, 0.5, qf, kv, pool, norm_weight=norm, norm_eps=1e-6, k_freqs=kf)
+    assert [id(t) for t in reads] == [id(t) for t in (q, w, qf, kv, norm, kf, pool)] and not layouts
+    every = (q, w, out[0], out[1], qf, pos, kv, plan, out_loc, out_loc, norm, kf, pool)  # the kernel's order
+    assert launched == [bound.launch.args([t.data_ptr() for t in every] + bound.launch.fixed)]
+
+
 def test_a_layout_the_one_launch_does_not_take_makes_the_two_calls(kern):
     g = _gen(7)
     q = torch.randn(2, 16, D, generator=g).to(torch.bfloat16)
@@ -168,7 +203,7 @@ def test_a_layout_the_one_launch_does_not_take_makes_the_two_calls(kern):
                                           mode="decode", plan=plan)
     want = kern.index_query.index_query_bf16(q, w, 0.5, f, pos)
     assert torch.equal(pool_a, pool_b) and torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
-    assert [p.launch for p in call._plans.values()] == [None]
+    assert list(call._plans.values()) == [None]
 
 
 def test_hadamard_is_orthonormal_so_logits_are_preserved(kern):

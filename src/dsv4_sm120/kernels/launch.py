@@ -285,3 +285,51 @@ class Launch:
     def _aligned(self, addresses: list) -> bool:
         """Whether the addresses that the kernel is specialized on are 16-byte aligned (as in every model call)."""
         return not functools.reduce(operator.or_, self.by_alignment(addresses), 0) & 15
+
+    def bind(self, **given: torch.Tensor) -> "BoundLaunch":
+        """This launch with the tensors of the parameters named in ``given`` fixed (see :class:`BoundLaunch`)."""
+        return BoundLaunch(self, given)
+
+
+class BoundLaunch:
+    """A :class:`Launch` with some of its tensors given once: a forward's own buffers, the same at every layer
+    (its positions, slots and output buffers), whose addresses and alignment are read when it is bound. A call
+    passes the other tensors in the kernel's order and reads only their addresses; the direct path then takes
+    the bound addresses as they were read. Made per forward and held with the tensors it binds (a
+    :class:`Launch`, kept across forwards, holds none). A call that cannot take the direct path goes through
+    the launch with every tensor, as an unbound call does.
+    """
+
+    __slots__ = ("launch", "slots", "given", "args", "by_alignment", "tail")
+
+    def __init__(self, launch: Launch, given: dict):
+        names = [launch.kernel.arg_names[i] for i in launch.slots]  # the tensor parameters, in the kernel's order
+        unknown = set(given) - set(names)
+        if unknown:
+            raise ValueError(f"{sorted(unknown)} are not tensor parameters of {launch.kernel.__name__}")
+        free = [k for k, name in enumerate(names) if name not in given]
+        fixed = [k for k, name in enumerate(names) if name in given]
+        self.launch, self.given = launch, {k: given[names[k]] for k in fixed}
+        # where each tensor parameter's address sits in a direct call's list: the call's, then the given ones
+        place = {k: n for n, k in enumerate(free + fixed)}
+        at = {slot: k for k, slot in enumerate(launch.slots)}
+        rest = iter(range(len(names), len(names) + len(launch.fixed)))
+        self.args = _picker([place[at[i]] if i in at else next(rest) for i in range(len(launch.kernel.arg_names))])
+        self.slots = free
+        checked = set(launch.by_alignment(range(len(names))))  # the tensor parameters specialized on alignment
+        addresses = [_DATA_PTR(self.given[k]) for k in fixed]
+        given_aligned = not functools.reduce(operator.or_, (a for k, a in zip(fixed, addresses) if k in checked), 0) & 15
+        self.by_alignment = _picker([n for n, k in enumerate(free) if k in checked]) if given_aligned else None
+        self.tail = addresses + launch.fixed
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        launch = self.launch
+        if launch.direct and DIRECT and self.by_alignment is not None:
+            addresses = list(map(_DATA_PTR, tensors))
+            if not functools.reduce(operator.or_, self.by_alignment(addresses), 0) & 15:
+                direct = launch.direct.get(_device_getter()())
+                if direct is not None:
+                    direct(launch.grid3, self.args(addresses + self.tail))
+                    return
+        every = dict(zip(self.slots, tensors)) | self.given
+        launch(*[every[k] for k in range(len(every))])

@@ -13,8 +13,10 @@ those of the two launches.
 
 :class:`QueryStoreCall` binds what every C4 layer of one forward shares: the positions, the query's output
 buffers, the store's plan, slots and mode. A layer's call keys its plan on the layouts of its own tensors only
-(queries, head weights, compressed keys, pool, norm weight, the two RoPE tables) and then launches once (the
-forward's first layer finds the plan that an earlier forward of the same layouts made); a
+(queries, head weights, compressed keys, pool, norm weight, the two RoPE tables; those that last as the model
+does by identity) and then launches once (the forward's first layer finds the plan that an earlier forward of
+the same layouts made, and binds the forward's buffers to its launch, ``launch.BoundLaunch``: a layer's call
+then reads seven addresses, not thirteen); a
 layout the fused launch does not take as it is (an input to copy or cast, no rows on one side) makes the two
 calls of :func:`index_query_bf16` and :func:`store_index_k_bf16` instead.
 """
@@ -80,23 +82,26 @@ class QueryStoreCall:
 
     def __call__(self, q, weights, weight_scale: float, q_freqs, kv, pages, *, norm_weight, norm_eps: float,
                  k_freqs) -> tuple:
-        # the layer's activations and norm weight read anew; the pool's page view and the RoPE tables last
-        key = (tensor_key(q), tensor_key(weights), tensor_key(kv), lasting_key(pages), tensor_key(norm_weight),
+        # the layer's activations read anew (flat: one tuple to build and hash); the pool's page view, the
+        # layer's norm weight and the RoPE tables last as the model does
+        key = (q.shape, q.stride(), q.dtype, q.device, weights.shape, weights.stride(), weights.dtype, weights.device,
+               kv.shape, kv.stride(), kv.dtype, kv.device, lasting_key(pages), lasting_key(norm_weight),
                lasting_key(q_freqs), lasting_key(k_freqs), weight_scale, norm_eps)
-        plan = self._plans.get(key)
-        if plan is None:  # a forward's first layer: the plan of a forward before it with these layouts
+        call = self._plans.get(key, self)
+        if call is self:  # a forward's first layer: the plan of a forward before it with these layouts, bound
             if len(self._plans) >= _BOUND_PLANS_MAX:
                 self._plans.clear()
             bound = (tensor_key(self.positions), tensor_key(self.out[0]), tensor_key(self.out[1]),
                      tensor_key(self.out_loc), tensor_key(self.plan), self.mode, self.compress_ratio)
-            plan = self._plans[key] = kept(_PLANS, (key, bound), _PLANS_MAX, lambda: self._plan(
+            plan = kept(_PLANS, (key, bound), _PLANS_MAX, lambda: self._plan(
                 q, weights, weight_scale, q_freqs, kv, pages, norm_weight, norm_eps, k_freqs))
-        if plan.launch is None:
+            call = self._plans[key] = None if plan.launch is None else plan.launch.bind(
+                q_out_ptr=self.out[0], qw_out_ptr=self.out[1], q_pos_ptr=self.positions, plan_ptr=self.plan,
+                k_pos_ptr=self.out_loc, loc_ptr=self.out_loc)
+        if call is None:
             self._two_calls(q, weights, weight_scale, q_freqs, kv, pages, norm_weight, norm_eps, k_freqs)
-        else:
-            out = self.out
-            plan.launch(q, weights, out[0], out[1], q_freqs, self.positions, kv, self.plan, self.out_loc,
-                        self.out_loc, norm_weight, k_freqs, pages)
+        else:  # only the layer's own tensors: the forward's buffers were bound with their addresses
+            call(q, weights, q_freqs, kv, norm_weight, k_freqs, pages)
         return self.out
 
     def _two_calls(self, q, weights, weight_scale, q_freqs, kv, pages, norm_weight, norm_eps, k_freqs) -> None:
