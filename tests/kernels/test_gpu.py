@@ -85,6 +85,38 @@ def test_layers_sharing_a_bound_logits_call_match_the_wrapper_eager_and_in_a_cud
     check()
 
 
+def test_layers_sharing_a_query_store_call_write_what_the_query_and_the_store_write():
+    # a forward's C4 layers share one QueryStoreCall, its positions, slots, plan rows and query buffers bound to
+    # the launch once (launch.BoundLaunch): the first layer goes through Triton's launch, the next ones take the
+    # direct launch with the bound addresses; every layer's queries, head weights and stored keys equal those of
+    # the query's and the store's own calls bit for bit
+    from dsv4_sm120.kernels import index_k_store, index_query
+    from dsv4_sm120.kernels.query_store import QueryStoreCall
+    from tests.kernels.helpers import decode_plan, freqs_cis
+
+    gen = torch.Generator().manual_seed(2)
+    seq_lens = [8, 105, 312, 1004, 2047, 8, 64, 4000]  # a key completes where the length is a multiple of 4
+    tokens = len(seq_lens)
+    qf, kf = freqs_cis(4096, gen).cuda(), freqs_cis(4096, gen).cuda()
+    pos = torch.tensor([n - 1 for n in seq_lens], device="cuda")
+    out_loc, plan = torch.arange(tokens, device="cuda") * 3 + 1, decode_plan(seq_lens).cuda()
+    out = (torch.empty(tokens, H, D, dtype=torch.bfloat16, device="cuda"), torch.empty(tokens, H, 1, device="cuda"))
+    call = QueryStoreCall(pos, out, out_loc, plan, "decode")
+    for layer in range(3):
+        q = torch.randn(tokens, H, D, generator=gen).to(torch.bfloat16).cuda()
+        w = torch.randn(tokens, H, generator=gen).to(torch.bfloat16).cuda()
+        kv, norm = torch.randn(tokens, D, generator=gen).cuda(), (1 + 0.1 * torch.randn(D, generator=gen)).cuda()
+        pool, want_pool = (torch.full((2, PAGE, D), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        index_k_store.store_index_k_bf16(kv, want_pool, out_loc, norm_weight=norm, norm_eps=1e-6, freqs=kf,
+                                         mode="decode", plan=plan)
+        want = index_query.index_query_bf16(q, w, 0.0110485, qf, pos)
+        assert call(q, w, 0.0110485, qf, kv, pool, norm_weight=norm, norm_eps=1e-6, k_freqs=kf) is out
+        torch.cuda.synchronize()
+        assert torch.equal(out[0].view(torch.int16), want[0].view(torch.int16)) and torch.equal(out[1], want[1]), layer
+        assert torch.equal(pool.view(torch.int16), want_pool.view(torch.int16)), layer
+    assert len(call._plans) == 1
+
+
 def test_checksum_kernel_is_bitwise_the_reference():
     from dsv4_sm120.kernels.page_checksum import page_checksum, page_checksum_ref
 
