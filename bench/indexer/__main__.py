@@ -13,7 +13,8 @@ $OUT_JSON), rewritten after each timed section, so a run cut short keeps what it
         [--deepgemm DEST]   # --deepgemm-warm first compiles its kernels
 
 ``--eager-only`` runs only the eager host cost and writes bench/results/indexer_h200_eager_<date>.json (or
-$OUT_JSON); ``--tune-only`` times launch configurations beside upstream's kernel instead and writes $OUT_JSON;
+$OUT_JSON; ``--eager-repeats N`` sweeps the eager C4 layer's shapes N times and keeps each shape's median sweep
+with every sweep's figure beside it); ``--tune-only`` times launch configurations beside upstream's kernel instead and writes $OUT_JSON;
 ``--dry-cpu`` checks the script on the CPU with tiny shapes and no peer (``TRITON_INTERPRET=1``), writing under
 /tmp unless $OUT_JSON is set:
 
@@ -51,6 +52,8 @@ def main():
     ap.add_argument("--dry-cpu", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): checks the script")
     ap.add_argument("--eager-only", action="store_true",
                     help="only the eager-vs-graph host-cost table of decode logits (its own JSON, under a minute)")
+    ap.add_argument("--eager-repeats", type=int, default=1,
+                    help="with --eager-only: sweeps of the eager C4 layer's shapes; each shape's median sweep is kept")
     ap.add_argument("--deepgemm",
                     help="a DeepGEMM build (the folder holding deep_gemm/), as bench/build_deepgemm_device.sh at commit 6f9738b made it")
     ap.add_argument("--deepgemm-warm", action="store_true", help="only JIT-compile DeepGEMM's kernel variants, in parallel")
@@ -73,7 +76,7 @@ def main():
         pool = torch.randn((max(SIZES["eager_b"]) * max(SIZES["eager_live"]) // PAGE, PAGE, D), generator=gen,
                            device=cases.DEV).to(torch.bfloat16)
         result = {**meta, "capture_width": SIZES["width"], "eager_host_breakdown": breakdown.host_breakdown(pool, gen),
-                  "eager": eager.eager_section(pool, gen), "eager_layer": eager.layer_section(pool, gen)}
+                  "eager": eager.eager_section(pool, gen), "eager_layer": eager.repeated_layer_section(pool, gen, args.eager_repeats)}
         eager.print_verdict(result)
         date = datetime.date.today().isoformat()
         g.write_json(Path(os.environ.get("OUT_JSON", "/tmp/indexer_eager_dry.json" if args.dry_cpu else
