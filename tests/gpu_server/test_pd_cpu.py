@@ -223,6 +223,25 @@ def test_run_agents_visits_every_target_in_shuffled_abba_rounds_and_summarizes(s
     assert "DSV4_SM120_NIXL_HARDENING=0" in servers["decode_pd_fixes_off"]["launch"]
 
 
+def test_the_agents_sets_pd_pairs_run_alone(standins, monkeypatch, tmp_path):
+    """On an 80 GB GPU the PD pairs run without the singles (``DSV4_GPU_AGENT_TARGETS=pd,pd_fixes_off``): the run
+    starts no single server, visits both pairs and gives the fixes' ratio and the prefills' own pace."""
+    monkeypatch.setattr(agents, "AGENT", ("--sessions", "4", "--groups", "2", "--prefix-words", "10", "--turns", "1",
+                                          "--max-tokens", "4"))
+    monkeypatch.setattr(agents, "REPETITIONS", 1)
+    monkeypatch.setattr(agents, "PROFILED", ())
+    monkeypatch.setattr(agents, "TARGETS", ["pd", "pd_fixes_off"])
+    out = tmp_path / "agents.json"
+    assert run.main(["agents", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"]) == 0
+    record = json.loads(out.read_text())
+    res = record["results"]
+    assert {o.split(":")[1] for o in res["order"]} == {"pd", "pd_fixes_off"} and len(res["order"]) == 8
+    assert not [r for r in res["runs"] if "error" in r["level"] or r["level"]["failed"]], res["runs"][:2]
+    assert res["ratios"]["pd_fixes_on_vs_off_throughput"]["64"]["n"] == 1
+    assert set(res["server_side"]["prefill"]) == {"pd", "pd_fixes_off"}
+    assert not set(record["servers"]) & set(agents.SINGLES)
+
+
 def test_a_stopped_agents_run_keeps_the_levels_it_measured(standins, monkeypatch, tmp_path):
     monkeypatch.setattr(agents, "AGENT", ("--sessions", "4", "--groups", "2", "--prefix-words", "10", "--turns", "1",
                                           "--max-tokens", "4"))
