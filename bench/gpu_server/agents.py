@@ -73,7 +73,7 @@ PAIR_SHAPE = {
 # after the timed rounds, one C=64 level of each with sglang's profiler on (host ops, CUDA runtime calls, kernels):
 # where the checksum's share of a prefill batch goes
 PROFILED = ("hc_bf16_checksum", "hc_bf16")
-PROFILE_STEPS, PROFILE_TIMEOUT_S = 30, 120.0
+PROFILE_STEPS, PROFILE_TIMEOUT_S, PROFILE_MAX_TOKENS = 30, 120.0, 1
 # (name, numerator, denominator, figure): what the bars hold, per level
 RATIOS = (("same_config_throughput", "hc_bf16_again", "hc_bf16", "output_tokens_per_s"),
           ("same_config_ttft_p50", "hc_bf16_again", "hc_bf16", "ttft_p50_s"),
@@ -92,22 +92,29 @@ def specs(tokenizer: Path) -> list[ServerSpec]:
                        extra_env=env, **_SERVER) for name, (keys, args, env) in SINGLES.items() if name in TARGETS]
 
 
-def agent(front: str, metrics_url: str, concurrency: int, out: Path) -> dict:
-    """One level of ``agent-bench`` against ``front``; its level record (or the error)."""
+def agent(front: str, metrics_url: str, concurrency: int, out: Path, max_tokens: int | None = None) -> dict:
+    """One level of ``agent-bench`` against ``front`` (``max_tokens``: each turn's instead of ``AGENT``'s); its
+    level record (or the error)."""
+    args = list(AGENT)
+    if max_tokens is not None:
+        args[args.index("--max-tokens") + 1] = str(max_tokens)
     return pd.agent_level(["--base-url", front, "--model", "flash12", "--metrics-url", metrics_url,
-                           "--concurrency", str(concurrency), *AGENT,
+                           "--concurrency", str(concurrency), *args,
                            "--device", "a GPU host: DeepSeek-V4 flash12 (dummy weights)"], out, LEVEL_TIMEOUT_S)
 
 
 def profile(front: str, metrics_url: str, work: Path, name: str) -> dict:
-    """One C=64 level on ``front`` with sglang's profiler on for its first ``PROFILE_STEPS`` forward steps (the
-    burst's prefill batches) at ``metrics_url``: the trace's host ops, CUDA runtime calls and kernels by time (a
-    host wait shows as a stream or event synchronize among the runtime calls) and each kind of step's host time
-    and GPU span (``steps``). Python calls are not recorded: sglang's stack recording slowed the host of a
-    profiled level several times over (an H100 run's profiled prefill steps took 120 ms of host for 6-8 ms of
-    GPU work). Untimed: a profiled level is slower."""
+    """One C=64 level on ``front`` with sglang's profiler on for its first ``PROFILE_STEPS`` forward steps at
+    ``metrics_url``: the trace's host ops, CUDA runtime calls and kernels by time (a host wait shows as a stream
+    or event synchronize among the runtime calls) and each kind of step's host time and GPU span (``steps``).
+    Its turns answer one token each, so that every profiled step is a prefill batch, the steps integrity mode
+    checks: with the set's 32 tokens a turn, the first requests' decode steps ran between the burst's prefills
+    and took 28 of 30 profiled steps (two H100 runs). Python calls are not recorded: sglang's stack recording
+    slowed the host of a profiled level several times over (an H100 run's profiled prefill steps took 120 ms of
+    host for 6-8 ms of GPU work). Untimed: a profiled level is slower."""
     out_dir = work / f"profile_{name}"
-    return hicache.profiled(metrics_url, out_dir, lambda: agent(front, metrics_url, 64, out_dir / "level.json"), name,
+    return hicache.profiled(metrics_url, out_dir, lambda: agent(front, metrics_url, 64, out_dir / "level.json",
+                                                                max_tokens=PROFILE_MAX_TOKENS), name,
                             wait_s=0.0, steps=PROFILE_STEPS, timeout=PROFILE_TIMEOUT_S, with_stack=False)
 
 

@@ -144,12 +144,16 @@ def get_text(url: str, path: str, timeout: float = 30) -> str:
     return request(url, path, timeout=timeout).decode(errors="replace")
 
 
+STOP_AFTER_S = 10.0  # a profile still running this long after its work ended is stopped (it exports what it has)
+
+
 def profile_window(url: str, out_dir, work, *, wait_s: float, steps: int, activities: list[str], name: str,
                    timeout: float, with_stack: bool = True):
     """sglang's profiler on ``steps`` forward steps of ``work()`` (run on its own thread, the profile started
     ``wait_s`` after it; with ``wait_s`` 0 the profile is started first, so its steps are the work's first):
-    the trace it wrote (``*.trace.json.gz`` under ``out_dir``), or None after ``timeout``. ``with_stack``:
-    sglang records every Python call (its default), which slows the host several times over."""
+    the trace it wrote (``*.trace.json.gz`` under ``out_dir``), or None after ``timeout``. A work that ends
+    before ``steps`` steps ran has its profile stopped ``STOP_AFTER_S`` later, which exports the steps it has.
+    ``with_stack``: sglang records every Python call (its default), which slows the host several times over."""
     import threading
     from pathlib import Path
 
@@ -164,11 +168,18 @@ def profile_window(url: str, out_dir, work, *, wait_s: float, steps: int, activi
     if wait_s <= 0:
         worker.start()
     worker.join(timeout)
-    deadline = time.monotonic() + timeout
+    deadline, stop_at = time.monotonic() + timeout, time.monotonic() + STOP_AFTER_S
     while time.monotonic() < deadline:
         traces = sorted(out_dir.rglob("*.trace.json.gz"))
         if traces:
             time.sleep(2.0)  # let the export finish writing
             return traces[-1]
+        if stop_at is not None and time.monotonic() > stop_at:  # the work ended before its steps did: stop there
+            stop_at = None
+            try:
+                request(url, "/stop_profile", {}, timeout=timeout)
+            except RequestFailed:  # it stopped on its own meanwhile
+                pass
         time.sleep(1.0)
     return None
+

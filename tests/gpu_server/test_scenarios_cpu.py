@@ -385,3 +385,37 @@ def test_a_profile_started_first_covers_the_works_first_steps_without_the_stack(
     assert traffic.profile_window("http://127.0.0.1:1", tmp_path, work, wait_s=0.0, steps=3, activities=["GPU"],
                                   name="p", timeout=5.0, with_stack=False) == trace
     assert order == [("/start_profile", False), "work"]
+
+
+def test_a_profile_whose_work_ends_before_its_steps_is_stopped_and_kept(monkeypatch, tmp_path):
+    """A profiled level that runs fewer forward steps than asked (its turns answer one token each) leaves sglang's
+    profiler running: it is stopped once the work has ended, which writes the trace of the steps it saw."""
+    asked = []
+    trace = tmp_path / "x.trace.json.gz"
+
+    def answer(url, path, body, timeout):
+        asked.append(path)
+        if path == "/stop_profile":
+            trace.write_bytes(b"")
+
+    monkeypatch.setattr(traffic, "request", answer)
+    monkeypatch.setattr(traffic, "STOP_AFTER_S", 0.0)
+    assert traffic.profile_window("http://127.0.0.1:1", tmp_path, lambda: None, wait_s=0.0, steps=30,
+                                  activities=["GPU"], name="p", timeout=10.0, with_stack=False) == trace
+    assert asked == ["/start_profile", "/stop_profile"]
+
+
+def test_the_agents_sets_profiled_level_answers_one_token_a_turn(monkeypatch, tmp_path):
+    """Every profiled step of the agents set is a prefill batch, the steps integrity mode checks: its turns
+    answer one token each (with the set's 32 a turn, decode steps took 28 of 30 profiled steps)."""
+    from bench.gpu_server import agents
+
+    levels = []
+    monkeypatch.setattr(agents.pd, "agent_level", lambda args, out, timeout: levels.append(args) or {})
+    monkeypatch.setattr(agents.hicache, "profiled", lambda url, out_dir, work, name, **kw: work() or {})
+    agents.profile("http://127.0.0.1:1", "http://127.0.0.1:1", tmp_path, "hc_bf16")
+    agents.agent("http://127.0.0.1:1", "http://127.0.0.1:1", 64, tmp_path / "level.json")
+    profiled, timed = levels
+    assert profiled[profiled.index("--max-tokens") + 1] == "1"
+    assert timed[timed.index("--max-tokens") + 1] == "32"
+
