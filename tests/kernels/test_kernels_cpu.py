@@ -156,7 +156,8 @@ def test_one_launch_writes_what_the_query_and_the_store_write(kern, mode, monkey
 def test_a_layers_one_launch_reads_only_its_own_tensors_addresses(kern, monkeypatch):
     """A forward binds its buffers (positions, slots, plan rows, the query's outputs) once; a C4 layer's call then
     reads the addresses of its own seven tensors and no layout of those that last (pool view, norm weight, RoPE
-    tables), and hands the direct launch every address in the kernel's order, the bound ones as first read."""
+    tables), and hands the direct launch every address in the kernel's order, the bound ones as first read; the
+    next forward binds through the same binding (where each address goes, worked out once)."""
     from dsv4_sm120.kernels import launch
 
     g = _gen(8)
@@ -186,6 +187,14 @@ def test_a_layers_one_launch_reads_only_its_own_tensors_addresses(kern, monkeypa
     assert [id(t) for t in reads] == [id(t) for t in (q, w, qf, kv, norm, kf, pool)] and not layouts
     every = (q, w, out[0], out[1], qf, pos, kv, plan, out_loc, out_loc, norm, kf, pool)  # the kernel's order
     assert launched == [bound.launch.args([t.data_ptr() for t in every] + bound.launch.fixed)]
+    # the next forward binds its own buffers through the binding worked out once for the launch and these names
+    out2 = (torch.empty_like(out[0]), torch.empty_like(out[1]))
+    following = kern.query_store.QueryStoreCall(pos, out2, out_loc, plan, "decode")
+    following(q, w, 0.5, qf, kv, pool, norm_weight=norm, norm_eps=1e-6, k_freqs=kf)
+    (bound2,) = following._plans.values()
+    every = (q, w, out2[0], out2[1], qf, pos, kv, plan, out_loc, out_loc, norm, kf, pool)
+    assert bound2.binding is bound.binding and len(bound.launch.bindings) == 1
+    assert launched[-1] == bound.launch.args([t.data_ptr() for t in every] + bound.launch.fixed)
 
 
 def test_a_layout_the_one_launch_does_not_take_makes_the_two_calls(kern):

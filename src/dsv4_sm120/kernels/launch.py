@@ -257,6 +257,7 @@ class Launch:
             if hasattr(kernel, "params") else set()  # the interpreter's kernels have none, and launch no _Direct
         self.by_alignment = _picker([k for k, slot in enumerate(self.slots) if slot in aligned])
         self.direct: dict = {}  # device -> _Direct
+        self.bindings: dict = {}  # given parameter names -> _Binding (see bind)
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         if self.direct and DIRECT:
@@ -288,7 +289,34 @@ class Launch:
 
     def bind(self, **given: torch.Tensor) -> "BoundLaunch":
         """This launch with the tensors of the parameters named in ``given`` fixed (see :class:`BoundLaunch`)."""
-        return BoundLaunch(self, given)
+        names = tuple(given)
+        binding = self.bindings.get(names)
+        if binding is None:
+            binding = self.bindings[names] = _Binding(self, names)
+        return BoundLaunch(binding, given)
+
+
+class _Binding:
+    """Where a :class:`BoundLaunch`'s addresses go, for one set of given parameter names: worked out once per
+    launch and names (a forward binds its buffers once, every forward the same names), holding no tensor."""
+
+    def __init__(self, launch: Launch, given: tuple):
+        names = [launch.kernel.arg_names[i] for i in launch.slots]  # the tensor parameters, in the kernel's order
+        unknown = set(given) - set(names)
+        if unknown:
+            raise ValueError(f"{sorted(unknown)} are not tensor parameters of {launch.kernel.__name__}")
+        free = [k for k, name in enumerate(names) if name not in given]
+        fixed = [k for k, name in enumerate(names) if name in given]
+        self.launch, self.given = launch, [names[k] for k in fixed]
+        # a direct call's addresses: the call's tensors', then the given ones', then the launch's scalars
+        place = {k: n for n, k in enumerate(free + fixed)}
+        at = {slot: k for k, slot in enumerate(launch.slots)}
+        rest = iter(range(len(names), len(names) + len(launch.fixed)))
+        self.args = _picker([place[at[i]] if i in at else next(rest) for i in range(len(launch.kernel.arg_names))])
+        self.every = _picker([place[k] for k in range(len(names))])  # call's + given tensors -> the kernel's order
+        checked = set(launch.by_alignment(range(len(names))))  # the tensor parameters specialized on alignment
+        self.free_checked = _picker([n for n, k in enumerate(free) if k in checked])
+        self.given_checked = _picker([n for n, k in enumerate(fixed) if k in checked])
 
 
 class BoundLaunch:
@@ -300,36 +328,22 @@ class BoundLaunch:
     the launch with every tensor, as an unbound call does.
     """
 
-    __slots__ = ("launch", "slots", "given", "args", "by_alignment", "tail")
+    __slots__ = ("launch", "binding", "given", "by_alignment", "tail")
 
-    def __init__(self, launch: Launch, given: dict):
-        names = [launch.kernel.arg_names[i] for i in launch.slots]  # the tensor parameters, in the kernel's order
-        unknown = set(given) - set(names)
-        if unknown:
-            raise ValueError(f"{sorted(unknown)} are not tensor parameters of {launch.kernel.__name__}")
-        free = [k for k, name in enumerate(names) if name not in given]
-        fixed = [k for k, name in enumerate(names) if name in given]
-        self.launch, self.given = launch, {k: given[names[k]] for k in fixed}
-        # where each tensor parameter's address sits in a direct call's list: the call's, then the given ones
-        place = {k: n for n, k in enumerate(free + fixed)}
-        at = {slot: k for k, slot in enumerate(launch.slots)}
-        rest = iter(range(len(names), len(names) + len(launch.fixed)))
-        self.args = _picker([place[at[i]] if i in at else next(rest) for i in range(len(launch.kernel.arg_names))])
-        self.slots = free
-        checked = set(launch.by_alignment(range(len(names))))  # the tensor parameters specialized on alignment
-        addresses = [_DATA_PTR(self.given[k]) for k in fixed]
-        given_aligned = not functools.reduce(operator.or_, (a for k, a in zip(fixed, addresses) if k in checked), 0) & 15
-        self.by_alignment = _picker([n for n, k in enumerate(free) if k in checked]) if given_aligned else None
-        self.tail = addresses + launch.fixed
+    def __init__(self, binding: _Binding, given: dict):
+        self.launch, self.binding, self.given = binding.launch, binding, [given[name] for name in binding.given]
+        addresses = list(map(_DATA_PTR, self.given))
+        aligned = not functools.reduce(operator.or_, binding.given_checked(addresses), 0) & 15
+        self.by_alignment = binding.free_checked if aligned else None  # None: every call through the launch
+        self.tail = addresses + binding.launch.fixed
 
     def __call__(self, *tensors: torch.Tensor) -> None:
-        launch = self.launch
+        binding, launch = self.binding, self.launch
         if launch.direct and DIRECT and self.by_alignment is not None:
             addresses = list(map(_DATA_PTR, tensors))
             if not functools.reduce(operator.or_, self.by_alignment(addresses), 0) & 15:
                 direct = launch.direct.get(_device_getter()())
                 if direct is not None:
-                    direct(launch.grid3, self.args(addresses + self.tail))
+                    direct(launch.grid3, binding.args(addresses + self.tail))
                     return
-        every = dict(zip(self.slots, tensors)) | self.given
-        launch(*[every[k] for k in range(len(every))])
+        launch(*binding.every((*tensors, *self.given)))
