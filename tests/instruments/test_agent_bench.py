@@ -45,6 +45,9 @@ def test_levels_serve_every_turn_count_cuts_apart_and_repeat_in_abba_order(serve
     for lv in levels:
         assert lv["turns"] == 12 and lv["served"] + lv["cut"] == 12 and lv["failed"] == 0 and lv["not_started"] == 0
         assert lv["ttft_p50_s"] > 0 and lv["itl_p50_s"] > 0 and lv["output_tokens"] >= lv["served"]
+        assert lv["ttft_p50_s"] <= lv["ttft_max_s"] <= lv["latency_max_s"]
+        assert lv["ttft_p50_s"] < lv["latency_p50_s"] <= lv["latency_p90_s"] <= lv["latency_max_s"]
+        assert lv["latency_max_s"] <= lv["latency_sum_s"] <= lv["duration_s"] * int(lv["concurrency"])
         assert lv["server_cache_hit"] is None  # the fake server has no /metrics
     assert sum(lv["cut"] for lv in levels) > 0
     assert record["workload"]["cut_fraction"] == 0.3 and record["tool"] == "dsv4-sm120 agent-bench"

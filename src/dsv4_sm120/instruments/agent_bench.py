@@ -21,10 +21,11 @@ gain nor a fix's price on that traffic can be read from it. This instrument runs
 - ``--cut-fraction`` of the turns (seeded) drop their stream at its first chunk, as a killed agent does; such a
   turn is counted as cut, not timed, and the session tries again on its next turn.
 
-Per level: TTFT p50/p90, inter-token latency p50 (between streamed chunks), output and total (prompt +
-output) token throughput, turns done, cut and failed (with the first errors), and the server's own cache hit
-share: the growth of sglang's ``cached_tokens`` over its ``prompt_tokens`` counters on ``--metrics-url`` (the
-prefill's for a PD pair; default ``--base-url``), beside every other ``sglang:*_total`` counter that moved.
+Per level: TTFT p50/p90/max, request latency p50/p90/max and sum (sent to last frame), inter-token latency p50
+(between streamed chunks), output and total (prompt + output) token throughput, turns done, cut and failed
+(with the first errors), and the server's own cache hit share: the growth of sglang's ``cached_tokens`` over
+its ``prompt_tokens`` counters on ``--metrics-url`` (the prefill's for a PD pair; default ``--base-url``),
+beside every other ``sglang:*_total`` counter that moved.
 ``--repetitions`` runs the levels again, in reverse order every other time (ABBA). Prints one JSON object;
 exit 0 when every turn that was not cut was served, 1 otherwise.
 """
@@ -156,6 +157,7 @@ def _pct(values: list[float], q: float) -> float | None:
 class _Level:
     ttft_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
+    latency_s: list[float] = field(default_factory=list)  # each served turn's request, sent to its last frame
     prompt_tokens: int = 0
     output_tokens: int = 0
     served: int = 0
@@ -193,6 +195,7 @@ async def _turn(args, http: aiohttp.ClientSession, session: Session, cut: bool, 
     reply = task.result()
     level.served += 1
     level.ttft_s.append(reply.ttft_s)
+    level.latency_s.append(reply.latency_s)
     level.itl_s += [b - a for a, b in zip(reply.chunk_at, reply.chunk_at[1:])]
     usage = reply.usage or {}
     level.prompt_tokens += usage.get("prompt_tokens") or 0
@@ -233,6 +236,11 @@ async def run_level(args, concurrency: int, agents: list[Session], rng: random.R
         "errors": level.errors,
         "duration_s": round(elapsed, 3),
         "ttft_p50_s": _pct(level.ttft_s, 0.5), "ttft_p90_s": _pct(level.ttft_s, 0.9),
+        "ttft_max_s": max(level.ttft_s, default=None),
+        # a level's time is its requests' latencies (and its workers' gaps between them): where two servers' levels
+        # differ at equal TTFT percentiles and ITL, the latencies' tail says whether the requests did
+        "latency_p50_s": _pct(level.latency_s, 0.5), "latency_p90_s": _pct(level.latency_s, 0.9),
+        "latency_max_s": max(level.latency_s, default=None), "latency_sum_s": round(sum(level.latency_s), 3),
         "itl_p50_s": statistics.median(level.itl_s) if level.itl_s else None,
         "output_tokens_per_s": level.output_tokens / elapsed,
         "total_tokens_per_s": (level.prompt_tokens + level.output_tokens) / elapsed,
