@@ -199,9 +199,16 @@ def _bootstrapped(pd, s) -> None:
 
 def _own_clock(pd, room: int) -> float:
     """The sweeps are the test's from now on, on its own clock: the bootstrap loop's sweep on the real clock could
-    otherwise find the room first, a moment after the test's start, and every later time would be short by that."""
-    pd.hardening.sweep_every_s = float("inf")
-    pd.hardening.unheld_since.pop(room, None)
+    otherwise find the room first, a moment after the test's start, and every later time would be short by that.
+    A sweep the loop began before it was told to stop sweeping ends before the loop's next beat: the room's time is
+    forgotten only after that beat (a loop sweep that ran between the two once made the test's time late, and the
+    room's release came after the test's last sweep; CI under load)."""
+    boot = pd.hardening
+    boot.sweep_every_s = float("inf")
+    told, deadline = time.monotonic(), time.monotonic() + 10.0
+    while boot.thread is not None and boot.thread.is_alive() and boot.last_beat <= told and time.monotonic() < deadline:
+        time.sleep(0.01)
+    boot.unheld_since.pop(room, None)
     return time.monotonic()
 
 
