@@ -182,4 +182,3 @@ def profile_window(url: str, out_dir, work, *, wait_s: float, steps: int, activi
                 pass
         time.sleep(1.0)
     return None
-

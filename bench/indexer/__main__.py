@@ -14,7 +14,8 @@ $OUT_JSON), rewritten after each timed section, so a run cut short keeps what it
 
 ``--eager-only`` runs only the eager host cost and writes bench/results/indexer_h200_eager_<date>.json (or
 $OUT_JSON; ``--eager-repeats N`` sweeps the eager C4 layer's shapes N times and keeps each shape's median sweep
-with every sweep's figure beside it); ``--tune-only`` times launch configurations beside upstream's kernel instead and writes $OUT_JSON;
+with every sweep's figure beside it); ``--tune-only`` times launch configurations beside upstream's kernel
+instead and writes $OUT_JSON;
 ``--dry-cpu`` checks the script on the CPU with tiny shapes and no peer (``TRITON_INTERPRET=1``), writing under
 /tmp unless $OUT_JSON is set:
 
@@ -76,7 +77,8 @@ def main():
         pool = torch.randn((max(SIZES["eager_b"]) * max(SIZES["eager_live"]) // PAGE, PAGE, D), generator=gen,
                            device=cases.DEV).to(torch.bfloat16)
         result = {**meta, "capture_width": SIZES["width"], "eager_host_breakdown": breakdown.host_breakdown(pool, gen),
-                  "eager": eager.eager_section(pool, gen), "eager_layer": eager.repeated_layer_section(pool, gen, args.eager_repeats)}
+                  "eager": eager.eager_section(pool, gen),
+                  "eager_layer": eager.repeated_layer_section(pool, gen, args.eager_repeats)}
         eager.print_verdict(result)
         date = datetime.date.today().isoformat()
         g.write_json(Path(os.environ.get("OUT_JSON", "/tmp/indexer_eager_dry.json" if args.dry_cpu else

@@ -152,6 +152,11 @@ def _idle(hook) -> bool:
     return hook is None or (type(hook) is _HOOK_CHAIN and not hook.calls)
 
 
+def _aligned16(addresses) -> bool:
+    """Whether every one of these addresses is a multiple of 16 (what Triton specializes a pointer on)."""
+    return not functools.reduce(operator.or_, addresses, 0) & 15
+
+
 def _picker(idx):
     """A getter of these positions that always returns a tuple (``itemgetter`` of one position does not)."""
     return operator.itemgetter(*idx) if len(idx) > 1 else lambda seq: tuple(seq[i] for i in idx)
@@ -285,7 +290,7 @@ class Launch:
 
     def _aligned(self, addresses: list) -> bool:
         """Whether the addresses that the kernel is specialized on are 16-byte aligned (as in every model call)."""
-        return not functools.reduce(operator.or_, self.by_alignment(addresses), 0) & 15
+        return _aligned16(self.by_alignment(addresses))
 
     def bind(self, **given: torch.Tensor) -> "BoundLaunch":
         """This launch with the tensors of the parameters named in ``given`` fixed (see :class:`BoundLaunch`)."""
@@ -333,15 +338,15 @@ class BoundLaunch:
     def __init__(self, binding: _Binding, given: dict):
         self.launch, self.binding, self.given = binding.launch, binding, [given[name] for name in binding.given]
         addresses = list(map(_DATA_PTR, self.given))
-        aligned = not functools.reduce(operator.or_, binding.given_checked(addresses), 0) & 15
-        self.by_alignment = binding.free_checked if aligned else None  # None: every call through the launch
+        # None where a given tensor is not aligned as the kernel's specialization asks: every call through the launch
+        self.by_alignment = binding.free_checked if _aligned16(binding.given_checked(addresses)) else None
         self.tail = addresses + binding.launch.fixed
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         binding, launch = self.binding, self.launch
         if launch.direct and DIRECT and self.by_alignment is not None:
             addresses = list(map(_DATA_PTR, tensors))
-            if not functools.reduce(operator.or_, self.by_alignment(addresses), 0) & 15:
+            if _aligned16(self.by_alignment(addresses)):
                 direct = launch.direct.get(_device_getter()())
                 if direct is not None:
                     direct(launch.grid3, binding.args(addresses + self.tail))
