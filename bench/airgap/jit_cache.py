@@ -9,6 +9,8 @@ Standard library only, like ``unpack``.
 
     python -m bench.airgap cache save --out DIR [--part-mb 15]     # DIR/jit_cache.tar.xz.00, .01, ...
     python -m bench.airgap cache load DIR/jit_cache.tar.xz.*
+
+The same root tells a benchmark when a measured stretch waited on a compile (:func:`compiled_since`).
 """
 
 from __future__ import annotations
@@ -50,3 +52,25 @@ def load(parts: list[Path], cache_root: Path) -> int:
     with tarfile.open(fileobj=io.BytesIO(lzma.decompress(data)), mode="r") as tar:
         tar.extractall(cache_root, filter="data")  # nothing lands outside the cache root
         return sum(m.isfile() for m in tar.getmembers())
+
+
+def compiled_since(cache_root: Path, since: float) -> dict:
+    """What the caches under ``cache_root`` gained since ``since`` (epoch seconds): files per cache and the Triton
+    kernels among them. A server compiles a kernel for a shape it has not met into this root and reads it from
+    there after (a loaded cache keeps its archive's file times), so a file newer than a stretch's start says
+    that the stretch waited on a compile: an H100 took 2-15 s for a DeepGEMM or TileLang kernel and about a
+    second for a Triton one, against 10-20 s for a C=64 level of the ``agents`` set. Names starting with a dot
+    are markers, not compiles (DeepGEMM wrote its ``.committed`` minutes after a kernel's files)."""
+    by_cache: dict[str, int] = {}
+    triton: set[str] = set()
+    for path in cache_root.rglob("*") if cache_root.is_dir() else ():
+        try:
+            if path.name.startswith(".") or not path.is_file() or path.stat().st_mtime < since:
+                continue
+        except FileNotFoundError:  # a compile's temporary file, gone between listing and looking
+            continue
+        kind = path.relative_to(cache_root).parts[0]
+        by_cache[kind] = by_cache.get(kind, 0) + 1
+        if kind == "triton" and path.suffix == ".cubin":
+            triton.add(path.stem)
+    return {"files": sum(by_cache.values()), "by_cache": dict(sorted(by_cache.items())), "triton_kernels": sorted(triton)}
