@@ -52,6 +52,13 @@ MANIFEST: tuple[Touch, ...] = (
         "model",
         "The package's model class extends upstream's and swaps in the bf16 indexer.",
     ),
+    Touch("sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.post_load_weights", "calls", "model",
+          "The package's class runs upstream's fix-up, then, for a loader that bypassed load_weights (it calls "
+          "this with no weight names), the mHC prewarm load_weights ends with."),
+    Touch("sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM._prewarm_mhc_kernels", "calls", "model",
+          "Upstream's compile of the mHC pre-norm kernels for every split count before serving."),
+    Touch("sglang.srt.model_loader.loader.post_load_weights", "calls", "model",
+          "How the dummy, sharded and remote loaders reach the model's post_load_weights: with no arguments."),
     Touch(
         "sglang.srt.configs.model_config.is_deepseek_v4",
         "calls",

@@ -408,3 +408,26 @@ def test_integrity_mode_leaves_decode_and_verify_steps_alone(kv, kern, env_torch
     assert handed == []
     _forward(_decode_case(kv, 5), ForwardMode.EXTEND, skip_compressor=True)
     assert handed  # the control: a prefill's reads are checked
+
+
+def test_a_loader_that_skips_load_weights_still_gets_upstreams_mhc_prewarm(monkeypatch):
+    """The dummy, sharded and remote loaders reach the model's ``post_load_weights`` through sglang's own helper,
+    with no arguments, and never the mHC prewarm that ``load_weights`` ends with (a dummy-weight prefill on an
+    H100 compiled it inside two serving batches of 16 and 17 s); ``load_weights`` passes its weight names and
+    prewarms by itself after this call, so the class adds nothing there."""
+    from sglang.srt.model_loader import loader
+    from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    from dsv4_sm120.model.deepseek_v4 import DeepseekV4ForCausalLMSM120
+
+    calls = []
+    monkeypatch.setattr(DeepseekV4ForCausalLM, "post_load_weights",
+                        lambda self, is_nextn=False, weight_names=None: calls.append(("fix-up", weight_names)))
+    monkeypatch.setattr(DeepseekV4ForCausalLM, "_prewarm_mhc_kernels", lambda self: calls.append("prewarm"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = object.__new__(DeepseekV4ForCausalLMSM120)
+    loader.post_load_weights(model)
+    assert calls == [("fix-up", None), "prewarm"]
+    calls.clear()
+    model.post_load_weights(is_nextn=False, weight_names=["model.layers.0.hc_attn_fn"])
+    assert calls == [("fix-up", ["model.layers.0.hc_attn_fn"])]

@@ -379,6 +379,20 @@ class DeepseekV4ForCausalLMSM120(DeepseekV4ForCausalLM):
             self.bf16_indexers = 0
         logger.info(built_line(self))
 
+    def post_load_weights(self, is_nextn=False, weight_names=None):
+        """Upstream's fix-up after the weights, then, for a loader that skipped ``load_weights``, upstream's mHC
+        prewarm that ``load_weights`` ends with.
+
+        ``load_weights`` compiles the mHC pre-norm kernels (a DeepGEMM GEMM and a TileLang kernel, one of each per
+        split count, which follows a batch's token count) for every count up to a prefill chunk before any
+        forward. The loaders that bypass it (dummy, sharded state, remote) call this method with no arguments
+        and never reach that prewarm, so each new split count compiled inside a serving batch: on an H100 a
+        dummy-weight PD prefill's two batches took 16 and 17 s and its ``/health`` timed out at the router.
+        ``load_weights`` always passes its weight names, so a call without them is a bypassing loader's."""
+        super().post_load_weights(is_nextn=is_nextn, weight_names=weight_names)
+        if weight_names is None and not is_nextn and torch.cuda.is_available():
+            self._prewarm_mhc_kernels()  # upstream's own; it returns at once where upstream does not use TileLang
+
 
 def compile_kernels(model: torch.nn.Module, *, checksum: bool) -> dict:
     """Every variant of the package's kernels compiled (or loaded from Triton's cache) while the server
