@@ -277,6 +277,32 @@ def test_the_cost_pairs_hold_each_visit_against_the_others_same_fresh_turns(monk
     assert res["summary"]["throughput_on_over_off_pairs"] == {"median": 0.5, "min": 0.5, "max": 0.5}
 
 
+def test_a_cost_visit_that_waited_on_a_compile_is_made_again_and_a_pair_still_compiling_is_left_out(monkeypatch,
+                                                                                                   tmp_path):
+    """A visit during which the JIT caches gained a file is made once more on fresh turns; the repeat stands in
+    for it, and a pair whose repeat compiled too is left out of the ratios."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DSV4_CACHE_ROOT", str(cache))
+    sent = []
+
+    def visit(url, seed):
+        sent.append((url, seed))
+        if (url, seed) in {("on", 700), ("on", 702), ("on", 1702)}:  # a compile inside these visits
+            (cache / "tilelang" / str(seed)).mkdir(parents=True)
+            (cache / "tilelang" / str(seed) / "executable.so").write_bytes(b"compiled")
+            return {"output_tok_s": 1.0, "ttft_p50_s": 30.0}
+        return {"output_tok_s": 100.0 if url == "on" else 200.0, "ttft_p50_s": 1.0}
+
+    monkeypatch.setattr(hicache, "cost_visit", visit)
+    res = hicache.cost({"on": "on", "off": "off"}, "on", "off")
+    assert sent[:3] == [("off", 700), ("on", 700), ("on", 1700)]
+    on = res["visits"]["on"]
+    assert len(on) == 2 * hicache.COST_ROUNDS and on[0]["instead_of"]["compiled"]["by_cache"] == {"tilelang": 1}
+    assert on[0]["compiled"]["files"] == 0 and on[2]["compiled"]["files"] == 1  # the repeat of visit 2 compiled
+    pairs = res["summary"]["throughput_on_over_off_pairs"]
+    assert pairs == {"median": 0.5, "min": 0.5, "max": 0.5} and res["summary"]["on"]["ttft_p50_s"]["max"] == 1.0
+
+
 def test_a_server_that_stalls_mid_storm_is_named_and_its_answered_waves_still_compared(monkeypatch):
     res = _small_storm(monkeypatch, {"hc_kernel_layer_first": _serve(_tokens(0), _topk(0)),
                                      "off": _serve(_tokens(0), _topk(0), stall_after=2)}, WAVE_TIMEOUT_S=1.0)
