@@ -73,4 +73,5 @@ def compiled_since(cache_root: Path, since: float) -> dict:
         by_cache[kind] = by_cache.get(kind, 0) + 1
         if kind == "triton" and path.suffix == ".cubin":
             triton.add(path.stem)
-    return {"files": sum(by_cache.values()), "by_cache": dict(sorted(by_cache.items())), "triton_kernels": sorted(triton)}
+    return {"files": sum(by_cache.values()), "by_cache": dict(sorted(by_cache.items())),
+            "triton_kernels": sorted(triton)}

@@ -18,13 +18,14 @@ behind the router, a prefill with HiCache and a decode with graphs (the incident
 
 Order: each target first gets an untimed visit of every level (its first requests compile kernels for their
 shapes and fill the host pool; the servers share one JIT cache, so a level left out of it was compiled by whichever
-server met it first, in its timed level); then ``REPETITIONS`` rounds, each visiting every target in a shuffled order (seeded by the round)
-and, on each, the levels ``CONCURRENCY`` in ascending order on odd rounds and descending on even ones; a timed
-level during which the JIT caches gained a file (a server compiled a kernel for a batch shape the warm-up had not
-made) is run once more and left out of the figures (``COMPILE_REPEATS``). Per target and level: the median of the rounds and their min-max for TTFT p50/p90, ITL p50, output and total throughput and
-the server's cache hit share; then the ratios the bars are about, each as the median of the per-round ratios
-with their min-max; per target its prefill's own pace over the run (``server_side``, from sglang's prefill lines),
-and a profiled level of the checksum server and its twin without it (``profiles``).
+server met it first, in its timed level); then ``REPETITIONS`` rounds, each visiting every target in a shuffled
+order (seeded by the round) and, on each, the levels ``CONCURRENCY`` in ascending order on odd rounds and
+descending on even ones; a timed level during which the JIT caches gained a file (a server compiled a kernel for a
+batch shape the warm-up had not made) is run once more and left out of the figures (``COMPILE_REPEATS``). Per
+target and level: the median of the rounds and their min-max for TTFT p50/p90, ITL p50, output and total
+throughput and the server's cache hit share; then the ratios the bars are about, each as the median of the
+per-round ratios with their min-max; per target its prefill's own pace over the run (``server_side``, from
+sglang's prefill lines), and a profiled level of the checksum server and its twin without it (``profiles``).
 """
 
 from __future__ import annotations
@@ -158,8 +159,9 @@ def summarize(runs: list[dict], rounds: tuple[int, ...] | None = None) -> dict:
                 if a and b and a[0] and b[0]:
                     per_round.append(a[0] / b[0])
             ratios.setdefault(name, {})[str(c)] = _spread(per_round)
-    left_out = [f"r{r['round']}:{r['target']}:C{r['concurrency']} ({', '.join(f'{k} {n}' for k, n in r['compiled']['by_cache'].items())} "
-                f"files compiled)" for r in compiling]
+    left_out = [f"r{r['round']}:{r['target']}:C{r['concurrency']} "
+                f"({', '.join(f'{k} {n}' for k, n in r['compiled']['by_cache'].items())} files compiled)"
+                for r in compiling]
     return {"table": out, "ratios": ratios, "left_out_compiling": left_out}
 
 
