@@ -42,7 +42,7 @@ def test_every_level_was_served_in_full(record):
     for run in record["runs"]:
         level = run["level"]
         assert "error" not in level, (run["target"], run["round"], level.get("error"))
-        assert level["failed"] == 0 and level["served"] == level["sessions"], (run["target"], run["round"])
+        assert level["failed"] == 0 and level["served"] == level["turns"], (run["target"], run["round"])
 
 
 def test_hicache_with_bf16_keys_lowers_ttft_at_high_concurrency(record):
