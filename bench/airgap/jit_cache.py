@@ -10,7 +10,7 @@ Standard library only, like ``unpack``.
     python -m bench.airgap cache save --out DIR [--part-mb 15]     # DIR/jit_cache.tar.xz.00, .01, ...
     python -m bench.airgap cache load DIR/jit_cache.tar.xz.*
 
-The same root tells a benchmark when a measured stretch waited on a compile (:func:`compiled_since`).
+The same root tells a benchmark when a measured stretch waited on a compile (:func:`compiled_since`, :func:`during`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import io
 import lzma
 import os
 import tarfile
+import time
 from pathlib import Path
 
 NAME = "jit_cache.tar.xz"
@@ -75,3 +76,10 @@ def compiled_since(cache_root: Path, since: float) -> dict:
             triton.add(path.stem)
     return {"files": sum(by_cache.values()), "by_cache": dict(sorted(by_cache.items())),
             "triton_kernels": sorted(triton)}
+
+
+def during(call):
+    """``call()``'s result and what the cache root (:func:`default_root`) gained while it ran."""
+    since = time.time()
+    result = call()
+    return result, compiled_since(default_root(), since)

@@ -235,9 +235,8 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
             for name in names:
                 for c in levels:
                     for attempt in range(1 + (COMPILE_REPEATS if rnd else 0)):
-                        t0, since = time.monotonic(), time.time()
-                        level = agent(*targets[name], c, work / f"agent_{name}_r{rnd}_c{c}{'_again' * attempt}.json")
-                        compiled = jit_cache.compiled_since(jit_cache.default_root(), since)
+                        t0, out_file = time.monotonic(), work / f"agent_{name}_r{rnd}_c{c}{'_again' * attempt}.json"
+                        level, compiled = jit_cache.during(lambda: agent(*targets[name], c, out_file))
                         runs.append({"round": rnd, "target": name, "concurrency": c, "level": level,
                                      "wall_s": round(time.monotonic() - t0, 1), "compiled": compiled})
                         out["order"].append(f"r{rnd}:{name}:C{c}")

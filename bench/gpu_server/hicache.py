@@ -343,9 +343,8 @@ def cost_visit(url: str, round_seed: int) -> dict:
 
 def _watched_visit(url: str, seed: int) -> dict:
     """A cost visit with what the JIT caches gained while it ran (``jit_cache.compiled_since``)."""
-    since = time.time()
-    visit = cost_visit(url, seed)
-    return visit | {"compiled": jit_cache.compiled_since(jit_cache.default_root(), since)}
+    visit, compiled = jit_cache.during(lambda: cost_visit(url, seed))
+    return visit | {"compiled": compiled}
 
 
 def cost(servers: dict, on: str, off: str) -> dict:

@@ -194,11 +194,17 @@ def test_run_incident_records_kills_multi_turn_and_leftovers_for_every_pair(stan
     assert "DSV4_SM120_COLLECTIVE_GUARD=0" in servers["decode_fixes_off"]["launch"]
 
 
-def test_run_agents_visits_every_target_in_shuffled_abba_rounds_and_summarizes(standins, monkeypatch, tmp_path):
+def _small_agents(monkeypatch, **settings) -> None:
+    """The agents set with a workload the stand-ins serve in seconds, and these of its module settings
+    (``REPETITIONS``, ``PROFILED``, ``TARGETS``)."""
     monkeypatch.setattr(agents, "AGENT", ("--sessions", "4", "--groups", "2", "--prefix-words", "10", "--turns", "1",
                                           "--max-tokens", "4"))
-    monkeypatch.setattr(agents, "REPETITIONS", 2)
-    monkeypatch.setattr(agents, "PROFILED", ())  # the stand-ins have no profiler
+    for name, value in settings.items():
+        monkeypatch.setattr(agents, name, value)
+
+
+def test_run_agents_visits_every_target_in_shuffled_abba_rounds_and_summarizes(standins, monkeypatch, tmp_path):
+    _small_agents(monkeypatch, REPETITIONS=2, PROFILED=())  # the stand-ins have no profiler
     out = tmp_path / "agents.json"
     assert run.main(["agents", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"]) == 0
     res = json.loads(out.read_text())["results"]
@@ -227,11 +233,7 @@ def test_run_agents_visits_every_target_in_shuffled_abba_rounds_and_summarizes(s
 def test_the_agents_sets_pd_pairs_run_alone(standins, monkeypatch, tmp_path):
     """On an 80 GB GPU the PD pairs run without the singles (``DSV4_GPU_AGENT_TARGETS=pd,pd_fixes_off``): the run
     starts no single server, visits both pairs and gives the fixes' ratio and the prefills' own pace."""
-    monkeypatch.setattr(agents, "AGENT", ("--sessions", "4", "--groups", "2", "--prefix-words", "10", "--turns", "1",
-                                          "--max-tokens", "4"))
-    monkeypatch.setattr(agents, "REPETITIONS", 1)
-    monkeypatch.setattr(agents, "PROFILED", ())
-    monkeypatch.setattr(agents, "TARGETS", ["pd", "pd_fixes_off"])
+    _small_agents(monkeypatch, REPETITIONS=1, PROFILED=(), TARGETS=["pd", "pd_fixes_off"])
     out = tmp_path / "agents.json"
     assert run.main(["agents", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"]) == 0
     record = json.loads(out.read_text())
@@ -248,11 +250,7 @@ def test_a_timed_level_that_waited_on_a_compile_is_run_again_and_only_the_repeat
     """A server that compiles a kernel during a timed level (the JIT caches gain a file) slowed that level alone
     (an H100's pair level took 43 s against 11): the level is run once more, and the table and the ratios take
     the repeat, naming the level left out."""
-    monkeypatch.setattr(agents, "AGENT", ("--sessions", "4", "--groups", "2", "--prefix-words", "10", "--turns", "1",
-                                          "--max-tokens", "4"))
-    monkeypatch.setattr(agents, "REPETITIONS", 1)
-    monkeypatch.setattr(agents, "PROFILED", ())
-    monkeypatch.setattr(agents, "TARGETS", ["hc_bf16", "hc_bf16_checksum"])
+    _small_agents(monkeypatch, REPETITIONS=1, PROFILED=(), TARGETS=["hc_bf16", "hc_bf16_checksum"])
     cache = tmp_path / "cache"
     (cache / "deep_gemm" / "old").mkdir(parents=True)
     (cache / "deep_gemm" / "old" / "kernel.cubin").write_bytes(b"loaded")  # a loaded cache: old file times
@@ -286,10 +284,8 @@ def test_a_timed_level_that_waited_on_a_compile_is_run_again_and_only_the_repeat
 
 
 def test_a_stopped_agents_run_keeps_the_levels_it_measured(standins, monkeypatch, tmp_path):
-    monkeypatch.setattr(agents, "AGENT", ("--sessions", "4", "--groups", "2", "--prefix-words", "10", "--turns", "1",
-                                          "--max-tokens", "4"))
+    _small_agents(monkeypatch, PROFILED=())
     level, done = agents.agent, []
-    monkeypatch.setattr(agents, "PROFILED", ())
 
     def stopped_after_fifteen(*args):  # the run's SIGTERM handler raises SystemExit where the run is
         if len(done) == 15:
@@ -350,10 +346,7 @@ def test_a_release_is_timed_when_it_happens_and_not_when_the_wait_gives_up(monke
 
 
 def test_an_agents_run_of_some_targets_starts_only_those(standins, monkeypatch, tmp_path):
-    monkeypatch.setattr(agents, "AGENT", ("--sessions", "4", "--groups", "2", "--prefix-words", "10", "--turns", "1",
-                                          "--max-tokens", "4"))
-    monkeypatch.setattr(agents, "REPETITIONS", 1)
-    monkeypatch.setattr(agents, "TARGETS", ["hc_bf16", "hc_bf16_checksum"])
+    _small_agents(monkeypatch, REPETITIONS=1, TARGETS=["hc_bf16", "hc_bf16_checksum"])
     monkeypatch.setattr(agents, "PROFILE_TIMEOUT_S", 1.0)  # the stand-ins write no trace: each profile says so
     out = tmp_path / "agents.json"
     assert run.main(["agents", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"]) == 0
