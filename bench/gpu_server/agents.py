@@ -24,7 +24,7 @@ descending on even ones; a timed level during which the JIT caches gained a file
 batch shape the warm-up had not made) is run once more and left out of the figures (``COMPILE_REPEATS``). Per
 target and level: the median of the rounds and their min-max for TTFT p50/p90, ITL p50, output and total
 throughput and the server's cache hit share; then the ratios the bars are about, each as the median of the
-per-round ratios with their min-max; per target its prefill's own pace over the run (``server_side``, from
+per-round ratios with their min-max; per target its prefill's own pace over its timed levels (``server_side``, from
 sglang's prefill lines), and a profiled level of the checksum server and its twin without it (``profiles``).
 """
 
@@ -81,6 +81,7 @@ COMPILE_REPEATS = 1
 # where the checksum's share of a prefill batch goes
 PROFILED = ("hc_bf16_checksum", "hc_bf16")
 PROFILE_STEPS, PROFILE_TIMEOUT_S, PROFILE_MAX_TOKENS = 30, 120.0, 1
+STAMP = "%Y-%m-%d %H:%M:%S"  # a level's span, as sglang stamps its log lines (local time, this host's clock)
 # (name, numerator, denominator, figure): what the bars hold, per level
 RATIOS = (("same_config_throughput", "hc_bf16_again", "hc_bf16", "output_tokens_per_s"),
           ("same_config_ttft_p50", "hc_bf16_again", "hc_bf16", "ttft_p50_s"),
@@ -170,29 +171,44 @@ def _prefill_logs(started: list, pair_tags: list[str], pairs: list) -> dict:
     return {s.spec.name: s.proc.log for s in started} | {tag: p.cluster.prefill.log for tag, p in zip(pair_tags, pairs)}
 
 
+def _timed_spans(runs: list[dict], target: str) -> dict:
+    """``target``'s timed levels that count, (round, concurrency) -> its wall-clock span: the rounds past the
+    warm-up, not compiling, not failed."""
+    return {(r["round"], r["concurrency"]): tuple(r["span"]) for r in runs
+            if r["target"] == target and r["round"] > 0 and "span" in r and not r.get("compiled", {}).get("files")
+            and "error" not in r["level"]}
+
+
 def server_side(prefill_logs: dict, runs: list[dict]) -> dict:
-    """Per target, its prefill's own pace over the run (:func:`step_log.prefill_pace`), and the bars' ratios of
-    it: the servers' logs time each batch, where the clients' levels of a few seconds each spread by more than
-    the bars (the first panel's servers of one configuration differed by 20%). ``new_tokens_per_s_ratios`` divide
-    the paces; ``matched_ratios`` compare the two prefills on the same batch (:func:`step_log.matched_ratio`,
-    with a 95% interval), which the bars are held on: two servers' paces differ by what their batches held. A
-    ratio is taken only between two targets that ran the same levels (a stopped run's last round may have
-    reached one and not the other)."""
+    """Per target, its prefill's own pace over its timed levels (:func:`step_log.prefill_pace`), and the bars'
+    ratios of it: the servers' logs time each batch, where the clients' levels of a few seconds each spread by
+    more than the bars (the first panel's servers of one configuration differed by 20%). Only the batches logged
+    within a timed level's span are taken, as the clients' table takes its levels: the warm-up round compiles
+    kernels for new batch shapes on whichever server meets them first, and a compiling level is left out (an
+    H100's warm-up batches had put one PD pair 3% behind its twin). ``new_tokens_per_s_ratios`` divide the
+    paces; ``matched_ratios`` compare the two prefills on the same batch (:func:`step_log.matched_ratio`, with a
+    95% interval), which the bars are held on: two servers' paces differ by what their batches held. A ratio
+    takes the levels both targets ran clean (``compared_levels``; a stopped run's last round may have reached
+    one and not the other)."""
     texts = {name: Path(log).read_text(errors="replace") if Path(log).exists() else "" for name, log in prefill_logs.items()}
-    batches = {name: step_log.busy_batches(text) for name, text in texts.items()}
-    pace = {name: step_log.prefill_pace(batches[name]) if text else {} for name, text in texts.items()}
-    levels = {name: {(r["round"], r["concurrency"]) for r in runs if r["target"] == name} for name in pace}
-    ratios, matched, unequal = {}, {}, []
+    spans = {name: _timed_spans(runs, name) for name in texts}
+    pace = {name: step_log.prefill_pace(step_log.busy_batches(text, list(spans[name].values()))) if text else {}
+            for name, text in texts.items()}
+    ratios, matched, compared = {}, {}, {}
     for name, num, den, figure in RATIOS:
         if figure != "output_tokens_per_s" or not (pace.get(num, {}).get("batches") and pace.get(den, {}).get("batches")):
             continue
-        if levels[num] != levels[den]:
-            unequal.append(name)
+        both = sorted(spans[num].keys() & spans[den].keys())
+        compared[name] = [f"r{rnd}:C{c}" for rnd, c in both]
+        a = step_log.busy_batches(texts[num], [spans[num][k] for k in both])
+        b = step_log.busy_batches(texts[den], [spans[den][k] for k in both])
+        if not (a and b):
             continue
-        ratios[name] = round(pace[num]["new_tokens_per_s"] / pace[den]["new_tokens_per_s"], 4)
-        matched[name] = step_log.matched_ratio(batches[num], batches[den])
+        pa, pb = step_log.prefill_pace(a), step_log.prefill_pace(b)
+        ratios[name] = round(pa["new_tokens_per_s"] / pb["new_tokens_per_s"], 4)
+        matched[name] = step_log.matched_ratio(a, b)
     return {"prefill": pace, "new_tokens_per_s_ratios": ratios, "matched_ratios": matched,
-            "not_the_same_levels": unequal}
+            "compared_levels": compared}
 
 
 def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict, out: dict,
@@ -236,9 +252,11 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
                 for c in levels:
                     for attempt in range(1 + (COMPILE_REPEATS if rnd else 0)):
                         t0, out_file = time.monotonic(), work / f"agent_{name}_r{rnd}_c{c}{'_again' * attempt}.json"
+                        began = time.strftime(STAMP)
                         level, compiled = jit_cache.during(lambda: agent(*targets[name], c, out_file))
                         runs.append({"round": rnd, "target": name, "concurrency": c, "level": level,
-                                     "wall_s": round(time.monotonic() - t0, 1), "compiled": compiled})
+                                     "wall_s": round(time.monotonic() - t0, 1), "compiled": compiled,
+                                     "span": [began, time.strftime(STAMP)]})
                         out["order"].append(f"r{rnd}:{name}:C{c}")
                         if not compiled["files"]:
                             break

@@ -30,8 +30,8 @@ import statistics
 from collections import defaultdict
 
 LINE = re.compile(r"Decode batch.*?#running-req: (\d+),.*?gen throughput \(token/s\): ([0-9.]+)")
-PREFILL = re.compile(r"Prefill batch, #new-seq: \d+, #new-token: (\d+), #cached-token: (\d+),.*?#queue-req: (\d+)"
-                     r".*?input throughput \(token/s\): ([0-9.]+)")
+PREFILL = re.compile(r"^(?:\[([0-9-]+ [0-9:]+)[^\]]*\] )?Prefill batch, #new-seq: \d+, #new-token: (\d+), #cached-token: (\d+),.*?#queue-req: (\d+)"
+                     r".*?input throughput \(token/s\): ([0-9.]+)", re.M)
 BUSY_GAP_S = 1.0  # a gap longer than this between prefill lines is idle time between visits, not a batch
 # The package's Triton kernels (src/dsv4_sm120/kernels): logits, key store, query, page checksum, page copy.
 PACKAGE_KERNELS = re.compile(r"^_(logits|store|query|checksum|copy_pages)_kernel")
@@ -49,10 +49,14 @@ def visit_step_ms(log_text: str, batch: int) -> float | None:
     return round(statistics.median(steps), 4) if steps else None
 
 
-def busy_batches(log_text: str) -> list[tuple[int, int, float]]:
-    """(new tokens, cached tokens, seconds) of each prefill batch logged with requests queued behind it."""
+def busy_batches(log_text: str, spans: list[tuple[str, str]] | None = None) -> list[tuple[int, int, float]]:
+    """(new tokens, cached tokens, seconds) of each prefill batch logged with requests queued behind it; with
+    ``spans`` ((start, end) as sglang stamps its lines, ``YYYY-mm-dd HH:MM:SS``, both ends included), only the
+    batches logged within one of them."""
     out = []
-    for n, c, queued, thr in PREFILL.findall(log_text):
+    for stamp, n, c, queued, thr in PREFILL.findall(log_text):
+        if spans is not None and not any(start <= stamp <= end for start, end in spans):
+            continue
         n, thr = int(n), float(thr)
         if int(queued) > 0 and thr > 0 and n / thr < BUSY_GAP_S:
             out.append((n, int(c), n / thr))

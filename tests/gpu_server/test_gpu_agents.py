@@ -2,7 +2,7 @@
 
 ``flash12`` servers (HiCache off; HiCache with bf16 keys, twice; the same with the checksum; HiCache with fp8
 keys) and two PD pairs (fixes on, off) under the agent workload at C=4 and C=64, in shuffled rounds. Throughput
-bars are held on the prefills' speed on the same batch over the run (sglang's prefill log lines,
+bars are held on the prefills' speed on the same batch over the timed levels (sglang's prefill log lines,
 ``step_log.matched_ratio``), TTFT bars on the median of the per-round client ratios. On a CUDA host with the pin this runs the set (about fifteen
 minutes); ``DSV4_GPU_AGENTS_JSON=<record>`` asserts on a record a run wrote instead. Selected with ``-m gpu``;
 without a CUDA device and no record it fails.
@@ -31,7 +31,7 @@ def _ratio(record: dict, name: str, level: str) -> float:
 
 
 def _pace(record: dict, name: str) -> float:
-    """A throughput bar's ratio of the two prefills' speed on the same batch over the run (both levels; the
+    """A throughput bar's ratio of the two prefills' speed on the same batch over the timed levels both ran (the
     clients' few-second levels spread by more than the bars, and two servers' batches differ)."""
     value = (record["server_side"].get("matched_ratios", {}).get(name) or {}).get("ratio")
     assert value is not None, f"{name}: too few busy prefill batches to compare"

@@ -85,22 +85,39 @@ def test_the_prefill_pace_counts_only_batches_with_a_queue_behind_them():
     assert step_log.prefill_pace(step_log.busy_batches("")) == {"batches": 0}
 
 
-def test_the_agents_set_holds_its_bars_on_the_prefills_own_pace(tmp_path):
+WARM_UP_BATCH = ("[2026-12-06 04:07:30] Prefill batch, #new-seq: 1, #new-token: 4000, #cached-token: 0, full token "
+                 "usage: 0.10, swa token usage: 0.05, #running-req: 0, #queue-req: 40, #pending-token: 9000, cuda "
+                 "graph: False, input throughput (token/s): 5000.00\n")  # 0.8 s: it compiled a kernel
+
+
+def test_the_agents_set_holds_its_bars_on_the_prefills_pace_in_its_timed_levels(tmp_path):
+    """Only batches logged within a timed, compile-free level count: not the warm-up round's (it compiles
+    kernels on whichever server meets a shape first) nor a level that compiled; a ratio takes the levels both
+    targets ran."""
     from bench.gpu_server import agents
 
     slower = PREFILL_LOG.replace("input throughput (token/s): 10000.00", "input throughput (token/s): 5000.00")
-    (tmp_path / "a.log").write_text(PREFILL_LOG)
-    (tmp_path / "b.log").write_text(slower)
+    (tmp_path / "a.log").write_text(WARM_UP_BATCH + PREFILL_LOG)
+    (tmp_path / "b.log").write_text(slower + PREFILL_LOG.splitlines(keepends=True)[1].replace("04:09:40", "04:12:00"))
     (tmp_path / "c.log").write_text(PREFILL_LOG)
     logs = {"hc_bf16": tmp_path / "a.log", "hc_bf16_checksum": tmp_path / "b.log", "hc_bf16_again": tmp_path / "c.log",
             "hc_fp8": tmp_path / "missing.log"}
-    runs = [{"target": t, "round": r, "concurrency": 64} for t in logs for r in (0, 1)]
-    runs.append({"target": "hc_bf16_again", "round": 2, "concurrency": 64})  # a stopped run's last round
+    warm, timed = ["2026-12-06 04:07:00", "2026-12-06 04:08:00"], ["2026-12-06 04:09:30", "2026-12-06 04:09:50"]
+    runs = [{"target": t, "round": r, "concurrency": 64, "level": {}, "span": span}
+            for t in logs for r, span in ((0, warm), (1, timed))]
+    runs.append({"target": "hc_bf16_again", "round": 2, "concurrency": 64, "level": {},  # a stopped run's last round
+                 "span": ["2026-12-06 04:10:00", "2026-12-06 04:11:00"]})
+    runs.append({"target": "hc_bf16_checksum", "round": 2, "concurrency": 4, "level": {},  # it compiled: left out
+                 "span": ["2026-12-06 04:11:30", "2026-12-06 04:12:30"], "compiled": {"files": 3}})
     side = agents.server_side(logs, runs)
     assert side["prefill"]["hc_fp8"] == {}
-    assert side["new_tokens_per_s_ratios"] == {"checksum_throughput": pytest.approx(1600 / 0.5 / (1600 / 0.4), abs=1e-4)}
-    assert side["not_the_same_levels"] == ["same_config_throughput"]
-    assert side["matched_ratios"] == {"checksum_throughput": None}  # two busy batches each: too few to fit
+    assert side["prefill"]["hc_bf16"]["batches"] == 2  # the warm-up's batch is not one of them
+    assert side["prefill"]["hc_bf16"]["new_tokens_per_s"] == pytest.approx(1600 / 0.4)
+    assert side["prefill"]["hc_bf16_checksum"]["batches"] == 2  # nor the compiling level's
+    assert side["new_tokens_per_s_ratios"] == {"checksum_throughput": pytest.approx(1600 / 0.5 / (1600 / 0.4), abs=1e-4),
+                                               "same_config_throughput": 1.0}
+    assert side["compared_levels"] == {"checksum_throughput": ["r1:C64"], "same_config_throughput": ["r1:C64"]}
+    assert side["matched_ratios"] == {"checksum_throughput": None, "same_config_throughput": None}  # too few to fit
 
 
 def _batches(seconds_of, mix, n=60, seed=1):
