@@ -14,7 +14,9 @@ Servers, all with decode CUDA graphs and the same device pool, started at once, 
 (the same with ``DSV4_SM120_INDEX_K_CHECKSUM=1``), ``hc_fp8`` (HiCache, fp8 keys), ``hc_bf16_again`` (``hc_bf16``
 once more: the same-configuration ratio is the floor under the others); and two PD pairs over NIXL
 behind the router, a prefill with HiCache and a decode with graphs (the incident's configuration): the fixes on
-(defaults) and off (``DSV4_SM120_NIXL_HARDENING=0``, ``DSV4_SM120_COLLECTIVE_GUARD=0``).
+(defaults) and off (``DSV4_SM120_NIXL_HARDENING=0``, ``DSV4_SM120_COLLECTIVE_GUARD=0``). Named, not by default:
+a pair with one fix off each (``pd_guard_off``, ``pd_hardening_off``: each fix's own price) and ``pd_again``
+(``pd`` once more, the pairs' floor). Targets start in the order named (``start_order``).
 
 Order: each target first gets an untimed visit of every level (its first requests compile kernels for their
 shapes and fill the host pool; the servers share one JIT cache, so a level left out of it was compiled by whichever
@@ -63,10 +65,17 @@ SINGLES = {
     # under every ratio below; the first panel's servers differed by more than the bars)
     "hc_bf16_again": ("bf16", _HICACHE, {}),
 }
-PAIRS = {"pd": {}, "pd_fixes_off": {"DSV4_SM120_NIXL_HARDENING": "0", "DSV4_SM120_COLLECTIVE_GUARD": "0"}}
-# the targets to start (comma-separated names of SINGLES and PAIRS; default all): the five singles alone fit a GPU of
-# 80 GB, the pairs beside them need about 100 GB
-TARGETS = [n for n in os.environ.get("DSV4_GPU_AGENT_TARGETS", "").split(",") if n] or [*SINGLES, *PAIRS]
+_FIXES_OFF = {"DSV4_SM120_NIXL_HARDENING": "0", "DSV4_SM120_COLLECTIVE_GUARD": "0"}
+PAIRS = {"pd": {}, "pd_fixes_off": _FIXES_OFF,
+         # each fix's own price, and pd once more (the floor under the pairs' ratios: an H100 run's two pairs
+         # differed by 13% on the same batch with the guard a no-op at one TP rank); not in the default panel
+         "pd_guard_off": {"DSV4_SM120_COLLECTIVE_GUARD": "0"}, "pd_hardening_off": {"DSV4_SM120_NIXL_HARDENING": "0"},
+         "pd_again": {}}
+DEFAULT_TARGETS = [*SINGLES, "pd", "pd_fixes_off"]
+# the targets to start, in this order (comma-separated names of SINGLES and PAIRS; default DEFAULT_TARGETS): the
+# five singles alone fit a GPU of 80 GB, the pairs beside them need about 100 GB; a second run with the pairs
+# named the other way round starts them the other way round
+TARGETS = [n for n in os.environ.get("DSV4_GPU_AGENT_TARGETS", "").split(",") if n] or DEFAULT_TARGETS
 PAIR_SHAPE = {
     "model": "flash12",
     "env": {},
@@ -89,15 +98,19 @@ RATIOS = (("same_config_throughput", "hc_bf16_again", "hc_bf16", "output_tokens_
           ("checksum_throughput", "hc_bf16_checksum", "hc_bf16", "output_tokens_per_s"),
           ("checksum_ttft_p50", "hc_bf16_checksum", "hc_bf16", "ttft_p50_s"),
           ("bf16_vs_fp8_throughput", "hc_bf16", "hc_fp8", "output_tokens_per_s"),
-          ("pd_fixes_on_vs_off_throughput", "pd", "pd_fixes_off", "output_tokens_per_s"))
+          ("pd_fixes_on_vs_off_throughput", "pd", "pd_fixes_off", "output_tokens_per_s"),
+          ("pd_guard_throughput", "pd", "pd_guard_off", "output_tokens_per_s"),
+          ("pd_hardening_throughput", "pd", "pd_hardening_off", "output_tokens_per_s"),
+          ("same_config_pd_throughput", "pd_again", "pd", "output_tokens_per_s"))
 
 
 def specs(tokenizer: Path) -> list[ServerSpec]:
     unknown = set(TARGETS) - set(SINGLES) - set(PAIRS)
     if unknown:
         raise ValueError(f"DSV4_GPU_AGENT_TARGETS names {sorted(unknown)}; the set has {[*SINGLES, *PAIRS]}")
-    return [ServerSpec(name, "flash12", "dsv4", index_k=keys, tokenizer=tokenizer, extra_args=_EVERY + args,
-                       extra_env=env, **_SERVER) for name, (keys, args, env) in SINGLES.items() if name in TARGETS]
+    return [ServerSpec(name, "flash12", "dsv4", index_k=SINGLES[name][0], tokenizer=tokenizer,
+                       extra_args=_EVERY + SINGLES[name][1], extra_env=SINGLES[name][2], **_SERVER)
+            for name in TARGETS if name in SINGLES]
 
 
 def agent(front: str, metrics_url: str, concurrency: int, out: Path, max_tokens: int | None = None) -> dict:
@@ -216,7 +229,7 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
     """Start every target, warm each, visit them in the rounds' order, stop all."""
     work, tokenizer = pd.prepare(log_dir, out)
     started, pairs = [], []
-    pair_tags = [tag for tag in PAIRS if tag in TARGETS]
+    pair_tags = [tag for tag in TARGETS if tag in PAIRS]  # started in the order named
     try:
         for spec in specs(tokenizer):
             if mem_fraction is not None:
@@ -225,6 +238,7 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
         for tag in pair_tags:
             switches = PAIRS[tag]
             pairs.append(pd.start_pair(f"_{tag}", switches, models_root, tokenizer, log_dir, mem_fraction, PAIR_SHAPE))
+        out["start_order"] = [s.spec.name for s in started] + pair_tags
         for s in started:
             servers[s.spec.name] = {"launch": launch_line(s)}
         for p in pairs:

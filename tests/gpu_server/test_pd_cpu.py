@@ -208,7 +208,7 @@ def test_run_agents_visits_every_target_in_shuffled_abba_rounds_and_summarizes(s
     out = tmp_path / "agents.json"
     assert run.main(["agents", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"]) == 0
     res = json.loads(out.read_text())["results"]
-    targets = set(agents.SINGLES) | set(agents.PAIRS)
+    targets = set(agents.DEFAULT_TARGETS)
     assert [o.split(":")[0] for o in res["order"]] == ["r0"] * 14 + ["r1"] * 14 + ["r2"] * 14
     # the warm-up visits every level of every target: no timed level is the first to meet its shapes
     assert {o.split(":", 1)[1] for o in res["order"] if o.startswith("r0")} == {
@@ -230,10 +230,11 @@ def test_run_agents_visits_every_target_in_shuffled_abba_rounds_and_summarizes(s
     assert "DSV4_SM120_NIXL_HARDENING=0" in servers["decode_pd_fixes_off"]["launch"]
 
 
-def test_the_agents_sets_pd_pairs_run_alone(standins, monkeypatch, tmp_path):
+def test_the_agents_sets_pd_pairs_run_alone_started_in_the_order_named(standins, monkeypatch, tmp_path):
     """On an 80 GB GPU the PD pairs run without the singles (``DSV4_GPU_AGENT_TARGETS=pd,pd_fixes_off``): the run
-    starts no single server, visits both pairs and gives the fixes' ratio and the prefills' own pace."""
-    _small_agents(monkeypatch, REPETITIONS=1, PROFILED=(), TARGETS=["pd", "pd_fixes_off"])
+    starts no single server, visits both pairs and gives the fixes' ratio and the prefills' own pace. The pairs
+    start in the order named, so that a second run can start them the other way round."""
+    _small_agents(monkeypatch, REPETITIONS=1, PROFILED=(), TARGETS=["pd_fixes_off", "pd"])
     out = tmp_path / "agents.json"
     assert run.main(["agents", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"]) == 0
     record = json.loads(out.read_text())
@@ -243,6 +244,22 @@ def test_the_agents_sets_pd_pairs_run_alone(standins, monkeypatch, tmp_path):
     assert res["ratios"]["pd_fixes_on_vs_off_throughput"]["64"]["n"] == 1
     assert set(res["server_side"]["prefill"]) == {"pd", "pd_fixes_off"}
     assert not set(record["servers"]) & set(agents.SINGLES)
+    assert res["start_order"] == ["pd_fixes_off", "pd"]
+    assert [n for n in record["servers"] if n.startswith("prefill")] == ["prefill_pd_fixes_off", "prefill_pd"]
+    assert "DSV4_SM120_COLLECTIVE_GUARD=0" not in record["servers"]["prefill_pd"]["launch"]
+
+
+def test_each_pd_fix_has_a_pair_of_its_own_and_pd_a_twin(monkeypatch):
+    """Each fix's own price (one switch off) and the pairs' floor (``pd_again``) are named targets; the default
+    panel stays the singles and the two pairs."""
+    assert agents.PAIRS["pd_guard_off"] == {"DSV4_SM120_COLLECTIVE_GUARD": "0"}
+    assert agents.PAIRS["pd_hardening_off"] == {"DSV4_SM120_NIXL_HARDENING": "0"}
+    assert agents.PAIRS["pd_again"] == agents.PAIRS["pd"] == {}
+    ratios = {name: (num, den) for name, num, den, _ in agents.RATIOS}
+    assert ratios["pd_guard_throughput"] == ("pd", "pd_guard_off")
+    assert ratios["pd_hardening_throughput"] == ("pd", "pd_hardening_off")
+    assert ratios["same_config_pd_throughput"] == ("pd_again", "pd")
+    assert agents.DEFAULT_TARGETS == [*agents.SINGLES, "pd", "pd_fixes_off"]
 
 
 def test_a_timed_level_that_waited_on_a_compile_is_run_again_and_only_the_repeat_counts(standins, monkeypatch,
