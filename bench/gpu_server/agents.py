@@ -27,7 +27,9 @@ batch shape the warm-up had not made) is run once more and left out of the figur
 target and level: the median of the rounds and their min-max for TTFT p50/p90, ITL p50, output and total
 throughput and the server's cache hit share; then the ratios the bars are about, each as the median of the
 per-round ratios with their min-max; per target its prefill's own pace over its timed levels (``server_side``, from
-sglang's prefill lines), and a profiled level of the checksum server and its twin without it (``profiles``).
+sglang's prefill lines), the cores each server's processes kept busy while driven and while another target was
+(``cpu_cores_busy``, :mod:`cpu_use`), and a profiled level of the checksum server and its twin without it
+(``profiles``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.airgap import jit_cache
-from bench.gpu_server import hicache, pd, step_log
+from bench.gpu_server import cpu_use, hicache, pd, step_log
 from bench.gpu_server.servers import ServerSpec, launch_line, start, wait_healthy
 
 SESSIONS, POOL, CONCURRENCY = 64, 65536, (4, 64)
@@ -256,6 +258,12 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
             ready()
         targets = {s.spec.name: (s.url, s.url) for s in started}
         targets |= {tag: (p.cluster.front, p.cluster.prefill.url) for tag, p in zip(pair_tags, pairs)}
+        trees = {s.spec.name: s.proc.pid for s in started}  # each server's processes, for the CPU they use
+        for tag, p in zip(pair_tags, pairs):
+            trees |= {f"{tag}:{role}": proc.pid for role, proc in
+                      (("prefill", p.cluster.prefill), ("decode", p.cluster.decode), ("router", p.cluster.router))
+                      if proc is not None}
+        out["host_cpus"] = os.cpu_count()
         runs: list[dict] = out.setdefault("runs", [])  # in the record as they come: a stopped run keeps its levels
         out["order"] = []
         for rnd in range(REPETITIONS + 1):  # round 0: the untimed warm-up of every level on each target
@@ -266,11 +274,12 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
                 for c in levels:
                     for attempt in range(1 + (COMPILE_REPEATS if rnd else 0)):
                         t0, out_file = time.monotonic(), work / f"agent_{name}_r{rnd}_c{c}{'_again' * attempt}.json"
-                        began = time.strftime(STAMP)
+                        began, cpu_before = time.strftime(STAMP), cpu_use.snapshot(trees)
                         level, compiled = jit_cache.during(lambda: agent(*targets[name], c, out_file))
                         runs.append({"round": rnd, "target": name, "concurrency": c, "level": level,
                                      "wall_s": round(time.monotonic() - t0, 1), "compiled": compiled,
-                                     "span": [began, time.strftime(STAMP)]})
+                                     "span": [began, time.strftime(STAMP)],
+                                     "cpu_s": cpu_use.spent(cpu_before, cpu_use.snapshot(trees))})
                         out["order"].append(f"r{rnd}:{name}:C{c}")
                         if not compiled["files"]:
                             break
@@ -281,6 +290,7 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
         out["workload"] = {"agent_bench": list(AGENT), "concurrency": list(CONCURRENCY), "rounds": REPETITIONS,
                            "device_pool_tokens": POOL, "targets": list(TARGETS)}
         out.update(summarize(out.get("runs", [])))  # over the levels that ran, also when the run was stopped
+        out["cpu_cores_busy"] = cpu_use.cores(out.get("runs", []))
         if "server_side" not in out:  # a run stopped before its profiles
             out["server_side"] = server_side(_prefill_logs(started, pair_tags, pairs), out.get("runs", []))
         for s in started:

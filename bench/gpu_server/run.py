@@ -58,11 +58,17 @@ def _sh(argv: list[str]) -> str:
         return ""
 
 
+CPU_FACTS = ("Model name", "CPU(s)", "Thread(s) per core", "Core(s) per socket", "Socket(s)", "NUMA node(s)")
+
+
 def host_facts() -> dict:
-    """Device, driver, versions of what this environment imports (read in a child interpreter)."""
+    """Device, driver, the host's CPUs (``lscpu``: servers that share a GPU share these too), versions of what
+    this environment imports (read in a child interpreter)."""
     gpu = _sh(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
     versions = _sh([sys.executable, "-c", VERSIONS_PY])
+    cpu = dict(line.split(":", 1) for line in _sh(["lscpu"]).splitlines() if ":" in line)
     return {"device": gpu, "python": sys.version.split()[0],
+            "cpu": {k: cpu[k].strip() for k in CPU_FACTS if k in cpu},
             "versions": json.loads(versions) if versions.startswith("{") else {"error": "could not read versions"}}
 
 

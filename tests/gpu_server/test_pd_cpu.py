@@ -245,6 +245,9 @@ def test_the_agents_sets_pd_pairs_run_alone_started_in_the_order_named(standins,
     assert set(res["server_side"]["prefill"]) == {"pd", "pd_fixes_off"}
     assert not set(record["servers"]) & set(agents.SINGLES)
     assert res["start_order"] == ["pd_fixes_off", "pd"]
+    trees = {f"{t}:{role}" for t in ("pd", "pd_fixes_off") for role in ("prefill", "decode", "router")}
+    assert all(set(r["cpu_s"]) == trees for r in res["runs"])  # every server's CPU during every level
+    assert set(res["cpu_cores_busy"]) == trees and res["host_cpus"] >= 1
     assert [n for n in record["servers"] if n.startswith("prefill")] == ["prefill_pd_fixes_off", "prefill_pd"]
     assert "DSV4_SM120_COLLECTIVE_GUARD=0" not in record["servers"]["prefill_pd"]["launch"]
 
