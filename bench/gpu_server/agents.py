@@ -22,7 +22,8 @@ Order: each target first gets an untimed visit of every level (its first request
 shapes and fill the host pool; the servers share one JIT cache, so a level left out of it was compiled by whichever
 server met it first, in its timed level); then ``REPETITIONS`` rounds, each visiting every target in a shuffled
 order (seeded by the round) and, on each, the levels ``CONCURRENCY`` in ascending order on odd rounds and
-descending on even ones; a timed level during which the JIT caches gained a file (a server compiled a kernel for a
+descending on even ones (with ``STARTS`` above one, all of it again after the targets were stopped and started
+the other way round); a timed level during which the JIT caches gained a file (a server compiled a kernel for a
 batch shape the warm-up had not made) is run once more and left out of the figures (``COMPILE_REPEATS``). Per
 target and level: the median of the rounds and their min-max for TTFT p50/p90, ITL p50, output and total
 throughput and the server's cache hit share; then the ratios the bars are about, each as the median of the
@@ -47,6 +48,11 @@ from bench.gpu_server.servers import ServerSpec, launch_line, start, wait_health
 
 SESSIONS, POOL, CONCURRENCY = 64, 65536, (4, 64)
 REPETITIONS = int(os.environ.get("DSV4_GPU_AGENT_ROUNDS", "3"))  # timed rounds; more narrow the spread
+# how many times the targets are started, each start with its own warm-up and timed rounds, in the order named and
+# then reversed: where a start's placement on the host moves a server's pace (two PD pairs configured alike at one
+# TP rank ran 13% apart on the same batch, and the pair started first was the slower in three runs), the rounds
+# the ratios take span the starts
+STARTS = int(os.environ.get("DSV4_GPU_AGENT_STARTS", "1"))
 AGENT = ("--sessions", str(SESSIONS), "--groups", "8", "--prefix-words", "1000", "--start-words", "1000",
          "--turn-words", "250", "--max-history-words", "100000", "--turns", "3", "--max-tokens", "32",
          "--request-timeout", "300")
@@ -106,13 +112,14 @@ RATIOS = (("same_config_throughput", "hc_bf16_again", "hc_bf16", "output_tokens_
           ("same_config_pd_throughput", "pd_again", "pd", "output_tokens_per_s"))
 
 
-def specs(tokenizer: Path) -> list[ServerSpec]:
+def specs(tokenizer: Path, names: list[str] | None = None) -> list[ServerSpec]:
+    """The single servers among ``names`` (default ``TARGETS``), in that order."""
     unknown = set(TARGETS) - set(SINGLES) - set(PAIRS)
     if unknown:
         raise ValueError(f"DSV4_GPU_AGENT_TARGETS names {sorted(unknown)}; the set has {[*SINGLES, *PAIRS]}")
     return [ServerSpec(name, "flash12", "dsv4", index_k=SINGLES[name][0], tokenizer=tokenizer,
                        extra_args=_EVERY + SINGLES[name][1], extra_env=SINGLES[name][2], **_SERVER)
-            for name in TARGETS if name in SINGLES]
+            for name in (TARGETS if names is None else names) if name in SINGLES]
 
 
 def agent(front: str, metrics_url: str, concurrency: int, out: Path, max_tokens: int | None = None) -> dict:
@@ -164,18 +171,18 @@ def summarize(runs: list[dict], rounds: tuple[int, ...] | None = None) -> dict:
     out = {t: {c: {f: _spread([lv.get(f) for lv in levels]) for f in FIGURES} for c, levels in by_c.items()}
            for t, by_c in table.items()}
     ratios: dict = {}
+    timed = sorted({(r.get("start", 1), r["round"]) for r in runs})  # a round of a start
     for name, num, den, figure in RATIOS:
         for c in CONCURRENCY:
             per_round = []
-            for rnd in rounds:
-                a = [r["level"].get(figure) for r in runs if (r["target"], r["concurrency"], r["round"]) == (num, c, rnd)
-                     and "error" not in r["level"]]
-                b = [r["level"].get(figure) for r in runs if (r["target"], r["concurrency"], r["round"]) == (den, c, rnd)
-                     and "error" not in r["level"]]
+            for key in timed:
+                a, b = ([r["level"].get(figure) for r in runs if "error" not in r["level"]
+                         and (r["target"], r["concurrency"], r.get("start", 1), r["round"]) == (t, c, *key)]
+                        for t in (num, den))
                 if a and b and a[0] and b[0]:
                     per_round.append(a[0] / b[0])
             ratios.setdefault(name, {})[str(c)] = _spread(per_round)
-    left_out = [f"r{r['round']}:{r['target']}:C{r['concurrency']} "
+    left_out = [f"{_level_name(r)} "
                 f"({', '.join(f'{k} {n}' for k, n in r['compiled']['by_cache'].items())} files compiled)"
                 for r in compiling]
     return {"table": out, "ratios": ratios, "left_out_compiling": left_out}
@@ -186,10 +193,16 @@ def _prefill_logs(started: list, pair_tags: list[str], pairs: list) -> dict:
     return {s.spec.name: s.proc.log for s in started} | {tag: p.cluster.prefill.log for tag, p in zip(pair_tags, pairs)}
 
 
+def _level_name(run: dict) -> str:
+    """``r<round>:<target>:C<concurrency>``, led by ``s<start>:`` past the first start."""
+    start = run.get("start", 1)
+    return f"{f's{start}:' if start > 1 else ''}r{run['round']}:{run['target']}:C{run['concurrency']}"
+
+
 def _timed_spans(runs: list[dict], target: str) -> dict:
-    """``target``'s timed levels that count, (round, concurrency) -> its wall-clock span: the rounds past the
-    warm-up, not compiling, not failed."""
-    return {(r["round"], r["concurrency"]): tuple(r["span"]) for r in runs
+    """``target``'s timed levels that count, (start, round, concurrency) -> its wall-clock span: the rounds past
+    the warm-up, not compiling, not failed."""
+    return {(r.get("start", 1), r["round"], r["concurrency"]): tuple(r["span"]) for r in runs
             if r["target"] == target and r["round"] > 0 and "span" in r and not r.get("compiled", {}).get("files")
             and "error" not in r["level"]}
 
@@ -197,30 +210,35 @@ def _timed_spans(runs: list[dict], target: str) -> dict:
 def server_side(prefill_logs: dict, runs: list[dict]) -> dict:
     """Per target, its prefill's own pace over its timed levels (:func:`step_log.prefill_pace`), and the bars'
     ratios of it: the servers' logs time each batch, where the clients' levels of a few seconds each spread by
-    more than the bars (the first panel's servers of one configuration differed by 20%). Only the batches logged
-    within a timed level's span are taken, as the clients' table takes its levels: the warm-up round compiles
-    kernels for new batch shapes on whichever server meets them first, and a compiling level is left out (an
-    H100's warm-up batches had put one PD pair 3% behind its twin). ``new_tokens_per_s_ratios`` divide the
-    paces; ``matched_ratios`` compare the two prefills on the same batch (:func:`step_log.matched_ratio`, with a
-    95% interval), which the bars are held on: two servers' paces differ by what their batches held. A ratio
-    takes the levels both targets ran clean (``compared_levels``; a stopped run's last round may have reached
-    one and not the other)."""
-    texts = {name: Path(log).read_text(errors="replace") if Path(log).exists() else "" for name, log in prefill_logs.items()}
-    spans = {name: _timed_spans(runs, name) for name in texts}
-    pace = {name: step_log.prefill_pace(step_log.busy_batches(text, list(spans[name].values()))) if text else {}
-            for name, text in texts.items()}
+    more than the bars (the first panel's servers of one configuration differed by 20%). ``prefill_logs``: per
+    start, each target's prefill log. Only the batches logged within a timed level's span are taken, as the
+    clients' table takes its levels: the warm-up round compiles kernels for new batch shapes on whichever server
+    meets them first, and a compiling level is left out (an H100's warm-up batches had put one PD pair 3% behind
+    its twin). ``new_tokens_per_s_ratios`` divide the paces; ``matched_ratios`` compare the two prefills on the
+    same batch (:func:`step_log.matched_ratio`, with a 95% interval), which the bars are held on: two servers'
+    paces differ by what their batches held. A ratio takes the levels both targets ran clean
+    (``compared_levels``; a stopped run's last round may have reached one and not the other)."""
+    texts = {k: {name: Path(log).read_text(errors="replace") if Path(log).exists() else "" for name, log in by.items()}
+             for k, by in prefill_logs.items()}
+    names = {name for by in texts.values() for name in by}
+    spans = {name: _timed_spans(runs, name) for name in names}
+
+    def batches(name: str, levels) -> list:
+        return [b for k, by in texts.items() if by.get(name)
+                for b in step_log.busy_batches(by[name], [spans[name][lv] for lv in levels if lv[0] == k])]
+
+    pace = {name: step_log.prefill_pace(batches(name, spans[name])) if any(by.get(name) for by in texts.values())
+            else {} for name in names}
     ratios, matched, compared = {}, {}, {}
     for name, num, den, figure in RATIOS:
         if figure != "output_tokens_per_s" or not (pace.get(num, {}).get("batches") and pace.get(den, {}).get("batches")):
             continue
         both = sorted(spans[num].keys() & spans[den].keys())
-        compared[name] = [f"r{rnd}:C{c}" for rnd, c in both]
-        a = step_log.busy_batches(texts[num], [spans[num][k] for k in both])
-        b = step_log.busy_batches(texts[den], [spans[den][k] for k in both])
+        compared[name] = [f"{f's{k}:' if k > 1 else ''}r{rnd}:C{c}" for k, rnd, c in both]
+        a, b = batches(num, both), batches(den, both)
         if not (a and b):
             continue
-        pa, pb = step_log.prefill_pace(a), step_log.prefill_pace(b)
-        ratios[name] = round(pa["new_tokens_per_s"] / pb["new_tokens_per_s"], 4)
+        ratios[name] = round(step_log.prefill_pace(a)["new_tokens_per_s"] / step_log.prefill_pace(b)["new_tokens_per_s"], 4)
         matched[name] = step_log.matched_ratio(a, b)
     return {"prefill": pace, "new_tokens_per_s_ratios": ratios, "matched_ratios": matched,
             "compared_levels": compared}
@@ -228,23 +246,48 @@ def server_side(prefill_logs: dict, runs: list[dict]) -> dict:
 
 def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict, out: dict,
         mem_fraction: float | None = None, ready=None) -> None:
-    """Start every target, warm each, visit them in the rounds' order, stop all."""
+    """``STARTS`` times: start every target (in the order named, then reversed), warm each, visit them in the
+    rounds' order, stop all; then the figures over every start."""
     work, tokenizer = pd.prepare(log_dir, out)
-    started, pairs = [], []
-    pair_tags = [tag for tag in TARGETS if tag in PAIRS]  # started in the order named
+    out["host_cpus"], out["order"], out["start_order"] = os.cpu_count(), [], []
+    runs: list[dict] = out.setdefault("runs", [])  # in the record as they come: a stopped run keeps its levels
+    logs: dict[int, dict] = {}  # start -> target -> its prefill's log
     try:
-        for spec in specs(tokenizer):
+        for k in range(1, STARTS + 1):
+            names = TARGETS if k % 2 else TARGETS[::-1]
+            _one_start(k, names, models_root, log_dir if STARTS == 1 else log_dir / f"start{k}", tokenizer, work,
+                       startup_timeout, servers, out, logs, mem_fraction, ready if k == 1 else None,
+                       profiles=k == STARTS)
+    finally:
+        out["workload"] = {"agent_bench": list(AGENT), "concurrency": list(CONCURRENCY), "rounds": REPETITIONS,
+                           "starts": STARTS, "device_pool_tokens": POOL, "targets": list(TARGETS)}
+        out.update(summarize(runs))  # over the levels that ran, also when the run was stopped
+        out["cpu_cores_busy"] = cpu_use.cores(runs)
+        out["server_side"] = server_side(logs, runs)
+
+
+def _one_start(k: int, names: list[str], models_root: Path, log_dir: Path, tokenizer: Path, work: Path,
+               startup_timeout: float, servers: dict, out: dict, logs: dict, mem_fraction: float | None,
+               ready, profiles: bool) -> None:
+    """Start ``names`` in that order, warm each, run the timed rounds (``runs`` entries of start ``k``), profile
+    when asked, stop all; ``logs[k]`` names each target's prefill log as soon as it is started."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    suffix = "" if k == 1 else f"@start{k}"  # the launch lines of a later start beside the first's
+    started, pairs = [], []
+    pair_tags = [tag for tag in names if tag in PAIRS]
+    runs = out["runs"]
+    try:
+        for spec in specs(tokenizer, names):
             if mem_fraction is not None:
                 spec.mem_fraction = mem_fraction
             started.append(start(spec, models_root, log_dir))
         for tag in pair_tags:
-            switches = PAIRS[tag]
-            pairs.append(pd.start_pair(f"_{tag}", switches, models_root, tokenizer, log_dir, mem_fraction, PAIR_SHAPE))
-        out["start_order"] = [s.spec.name for s in started] + pair_tags
+            pairs.append(pd.start_pair(f"_{tag}", PAIRS[tag], models_root, tokenizer, log_dir, mem_fraction,
+                                       PAIR_SHAPE))
+        logs[k] = _prefill_logs(started, pair_tags, pairs)
+        out["start_order"].append([s.spec.name for s in started] + pair_tags)
         for s in started:
-            servers[s.spec.name] = {"launch": launch_line(s)}
-        for p in pairs:
-            servers.update(p.launches())
+            servers[s.spec.name + suffix] = {"launch": launch_line(s)}
         with ThreadPoolExecutor(len(pairs) + 1) as pool:
             waits = [pool.submit(wait_healthy, started, startup_timeout)]
             for p in pairs:
@@ -253,7 +296,7 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
             for p in pairs:
                 pd.serve(p, log_dir)
         for s in started:
-            servers[s.spec.name]["healthy_after_s"] = s.healthy_after_s
+            servers[s.spec.name + suffix]["healthy_after_s"] = s.healthy_after_s
         if ready is not None:
             ready()
         targets = {s.spec.name: (s.url, s.url) for s in started}
@@ -263,38 +306,31 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
             trees |= {f"{tag}:{role}": proc.pid for role, proc in
                       (("prefill", p.cluster.prefill), ("decode", p.cluster.decode), ("router", p.cluster.router))
                       if proc is not None}
-        out["host_cpus"] = os.cpu_count()
-        runs: list[dict] = out.setdefault("runs", [])  # in the record as they come: a stopped run keeps its levels
-        out["order"] = []
+        tag = "" if k == 1 else f"s{k}:"  # a later start's levels named apart from the first's (_level_name)
         for rnd in range(REPETITIONS + 1):  # round 0: the untimed warm-up of every level on each target
-            names = sorted(targets)
-            random.Random(rnd).shuffle(names)
+            order = sorted(targets)
+            random.Random(rnd).shuffle(order)
             levels = CONCURRENCY if rnd % 2 or rnd == 0 else tuple(reversed(CONCURRENCY))
-            for name in names:
+            for name in order:
                 for c in levels:
                     for attempt in range(1 + (COMPILE_REPEATS if rnd else 0)):
-                        t0, out_file = time.monotonic(), work / f"agent_{name}_r{rnd}_c{c}{'_again' * attempt}.json"
+                        t0 = time.monotonic()
+                        out_file = work / f"agent_{name}_{tag.replace(':', '_')}r{rnd}_c{c}{'_again' * attempt}.json"
                         began, cpu_before = time.strftime(STAMP), cpu_use.snapshot(trees)
                         level, compiled = jit_cache.during(lambda: agent(*targets[name], c, out_file))
-                        runs.append({"round": rnd, "target": name, "concurrency": c, "level": level,
+                        runs.append({"start": k, "round": rnd, "target": name, "concurrency": c, "level": level,
                                      "wall_s": round(time.monotonic() - t0, 1), "compiled": compiled,
                                      "span": [began, time.strftime(STAMP)],
                                      "cpu_s": cpu_use.spent(cpu_before, cpu_use.snapshot(trees))})
-                        out["order"].append(f"r{rnd}:{name}:C{c}")
+                        out["order"].append(f"{tag}r{rnd}:{name}:C{c}")
                         if not compiled["files"]:
                             break
-        out["server_side"] = server_side(_prefill_logs(started, pair_tags, pairs), runs)  # before the profiled levels
-        out["profiles"] = {name: hicache._or_error(profile, *targets[name], work, name)
-                           for name in PROFILED if name in targets}
+        if profiles:
+            out["profiles"] = {name: hicache._or_error(profile, *targets[name], work, name)
+                               for name in PROFILED if name in targets}
     finally:
-        out["workload"] = {"agent_bench": list(AGENT), "concurrency": list(CONCURRENCY), "rounds": REPETITIONS,
-                           "device_pool_tokens": POOL, "targets": list(TARGETS)}
-        out.update(summarize(out.get("runs", [])))  # over the levels that ran, also when the run was stopped
-        out["cpu_cores_busy"] = cpu_use.cores(out.get("runs", []))
-        if "server_side" not in out:  # a run stopped before its profiles
-            out["server_side"] = server_side(_prefill_logs(started, pair_tags, pairs), out.get("runs", []))
         for s in started:
             s.proc.stop()
         for p in pairs:
             p.cluster.stop()
-            servers.update(p.launches())
+            servers.update({name + suffix: launch for name, launch in p.launches().items()})

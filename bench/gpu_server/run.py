@@ -96,10 +96,11 @@ def _stop_on_sigterm(signum, frame):
 
 
 def _keep_logs(log_dir: Path, out_dir: Path) -> None:
-    """The run's server logs as one xz tar beside the JSON (a GPU host may give back only a few files)."""
+    """The run's server logs (a set started more than once keeps each start's in a folder of its own) as one xz
+    tar beside the JSON (a GPU host may give back only a few files)."""
     with tarfile.open(out_dir / f"{log_dir.name}.tar.xz", "w:xz") as tar:
-        for log in sorted(log_dir.glob("*.log")):
-            tar.add(log, arcname=f"{log_dir.name}/{log.name}")
+        for log in sorted(log_dir.rglob("*.log")):
+            tar.add(log, arcname=f"{log_dir.name}/{log.relative_to(log_dir)}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -244,12 +245,32 @@ def test_the_agents_sets_pd_pairs_run_alone_started_in_the_order_named(standins,
     assert res["ratios"]["pd_fixes_on_vs_off_throughput"]["64"]["n"] == 1
     assert set(res["server_side"]["prefill"]) == {"pd", "pd_fixes_off"}
     assert not set(record["servers"]) & set(agents.SINGLES)
-    assert res["start_order"] == ["pd_fixes_off", "pd"]
+    assert res["start_order"] == [["pd_fixes_off", "pd"]]
     trees = {f"{t}:{role}" for t in ("pd", "pd_fixes_off") for role in ("prefill", "decode", "router")}
     assert all(set(r["cpu_s"]) == trees for r in res["runs"])  # every server's CPU during every level
     assert set(res["cpu_cores_busy"]) == trees and res["host_cpus"] >= 1
     assert [n for n in record["servers"] if n.startswith("prefill")] == ["prefill_pd_fixes_off", "prefill_pd"]
     assert "DSV4_SM120_COLLECTIVE_GUARD=0" not in record["servers"]["prefill_pd"]["launch"]
+
+
+def test_the_agents_set_started_twice_starts_the_pairs_the_other_way_round(standins, monkeypatch, tmp_path):
+    """``STARTS=2``: after the first start's rounds every server is stopped and the targets started again in the
+    reverse order, with a warm-up and rounds of their own, and their logs in a folder of their own; a bar's
+    per-round ratios span both starts."""
+    _small_agents(monkeypatch, REPETITIONS=1, PROFILED=(), TARGETS=["pd", "pd_fixes_off"], STARTS=2)
+    out = tmp_path / "agents.json"
+    assert run.main(["agents", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"]) == 0
+    record = json.loads(out.read_text())
+    res = record["results"]
+    assert res["start_order"] == [["pd", "pd_fixes_off"], ["pd_fixes_off", "pd"]]
+    assert sorted({(r["start"], r["round"]) for r in res["runs"]}) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert [o for o in res["order"] if o.startswith("s2:r1:")] and not [o for o in res["order"] if o.startswith("s1:")]
+    assert not [r for r in res["runs"] if "error" in r["level"] or r["level"]["failed"]], res["runs"][:2]
+    assert res["ratios"]["pd_fixes_on_vs_off_throughput"]["64"]["n"] == 2  # one timed round of each start
+    assert set(res["server_side"]["prefill"]) == {"pd", "pd_fixes_off"}
+    assert {"prefill_pd", "prefill_pd@start2", "router_pd_fixes_off@start2"} <= set(record["servers"])
+    logs = tarfile.open(tmp_path / "logs_agents.tar.xz").getnames()
+    assert {"logs_agents/start1/prefill_pd.log", "logs_agents/start2/prefill_pd.log"} <= set(logs)
 
 
 def test_each_pd_fix_has_a_pair_of_its_own_and_pd_a_twin(monkeypatch):

@@ -109,7 +109,7 @@ def test_the_agents_set_holds_its_bars_on_the_prefills_pace_in_its_timed_levels(
                  "span": ["2026-12-06 04:10:00", "2026-12-06 04:11:00"]})
     runs.append({"target": "hc_bf16_checksum", "round": 2, "concurrency": 4, "level": {},  # it compiled: left out
                  "span": ["2026-12-06 04:11:30", "2026-12-06 04:12:30"], "compiled": {"files": 3}})
-    side = agents.server_side(logs, runs)
+    side = agents.server_side({1: logs}, runs)
     assert side["prefill"]["hc_fp8"] == {}
     assert side["prefill"]["hc_bf16"]["batches"] == 2  # the warm-up's batch is not one of them
     assert side["prefill"]["hc_bf16"]["new_tokens_per_s"] == pytest.approx(1600 / 0.4)
@@ -118,6 +118,24 @@ def test_the_agents_set_holds_its_bars_on_the_prefills_pace_in_its_timed_levels(
                                                "same_config_throughput": 1.0}
     assert side["compared_levels"] == {"checksum_throughput": ["r1:C64"], "same_config_throughput": ["r1:C64"]}
     assert side["matched_ratios"] == {"checksum_throughput": None, "same_config_throughput": None}  # too few to fit
+
+
+def test_the_prefills_pace_over_two_starts_takes_each_starts_log_within_its_own_levels(tmp_path):
+    """A set started twice keeps a log per start; each start's batches count within that start's levels only."""
+    from bench.gpu_server import agents
+
+    second = PREFILL_LOG.replace("04:09:40", "05:00:10").replace("04:09:45", "05:00:15")
+    for k, text in ((1, PREFILL_LOG), (2, second)):
+        (tmp_path / f"a{k}.log").write_text(text)
+        (tmp_path / f"b{k}.log").write_text(text)
+    logs = {k: {"pd": tmp_path / f"a{k}.log", "pd_fixes_off": tmp_path / f"b{k}.log"} for k in (1, 2)}
+    spans = {1: ["2026-12-06 04:09:30", "2026-12-06 04:09:50"], 2: ["2026-12-06 05:00:00", "2026-12-06 05:00:12"]}
+    runs = [{"start": k, "target": t, "round": 1, "concurrency": 64, "level": {}, "span": spans[k]}
+            for k in (1, 2) for t in ("pd", "pd_fixes_off")]
+    side = agents.server_side(logs, runs)
+    assert side["prefill"]["pd"]["batches"] == 4  # two of each start's log, within that start's span
+    assert side["compared_levels"]["pd_fixes_on_vs_off_throughput"] == ["r1:C64", "s2:r1:C64"]
+    assert side["new_tokens_per_s_ratios"]["pd_fixes_on_vs_off_throughput"] == 1.0
 
 
 def _batches(seconds_of, mix, n=60, seed=1):
