@@ -73,8 +73,7 @@ SINGLES = {
     # under every ratio below; the first panel's servers differed by more than the bars)
     "hc_bf16_again": ("bf16", _HICACHE, {}),
 }
-_FIXES_OFF = {"DSV4_SM120_NIXL_HARDENING": "0", "DSV4_SM120_COLLECTIVE_GUARD": "0"}
-PAIRS = {"pd": {}, "pd_fixes_off": _FIXES_OFF,
+PAIRS = {"pd": {}, "pd_fixes_off": {"DSV4_SM120_NIXL_HARDENING": "0", "DSV4_SM120_COLLECTIVE_GUARD": "0"},
          # each fix's own price, and pd once more (the floor under the pairs' ratios: an H100 run's two pairs
          # differed by 13% on the same batch with the guard a no-op at one TP rank); not in the default panel
          "pd_guard_off": {"DSV4_SM120_COLLECTIVE_GUARD": "0"}, "pd_hardening_off": {"DSV4_SM120_NIXL_HARDENING": "0"},
@@ -193,10 +192,14 @@ def _prefill_logs(started: list, pair_tags: list[str], pairs: list) -> dict:
     return {s.spec.name: s.proc.log for s in started} | {tag: p.cluster.prefill.log for tag, p in zip(pair_tags, pairs)}
 
 
+def _start_tag(start: int) -> str:
+    """What leads the name of a later start's level (``s2:``), so that it stands apart from the first's (none)."""
+    return "" if start == 1 else f"s{start}:"
+
+
 def _level_name(run: dict) -> str:
-    """``r<round>:<target>:C<concurrency>``, led by ``s<start>:`` past the first start."""
-    start = run.get("start", 1)
-    return f"{f's{start}:' if start > 1 else ''}r{run['round']}:{run['target']}:C{run['concurrency']}"
+    """``r<round>:<target>:C<concurrency>``, led by the start's tag."""
+    return f"{_start_tag(run.get('start', 1))}r{run['round']}:{run['target']}:C{run['concurrency']}"
 
 
 def _timed_spans(runs: list[dict], target: str) -> dict:
@@ -234,7 +237,7 @@ def server_side(prefill_logs: dict, runs: list[dict]) -> dict:
         if figure != "output_tokens_per_s" or not (pace.get(num, {}).get("batches") and pace.get(den, {}).get("batches")):
             continue
         both = sorted(spans[num].keys() & spans[den].keys())
-        compared[name] = [f"{f's{k}:' if k > 1 else ''}r{rnd}:C{c}" for k, rnd, c in both]
+        compared[name] = [f"{_start_tag(k)}r{rnd}:C{c}" for k, rnd, c in both]
         a, b = batches(num, both), batches(den, both)
         if not (a and b):
             continue
@@ -306,7 +309,7 @@ def _one_start(k: int, names: list[str], models_root: Path, log_dir: Path, token
             trees |= {f"{tag}:{role}": proc.pid for role, proc in
                       (("prefill", p.cluster.prefill), ("decode", p.cluster.decode), ("router", p.cluster.router))
                       if proc is not None}
-        tag = "" if k == 1 else f"s{k}:"  # a later start's levels named apart from the first's (_level_name)
+        file_tag = _start_tag(k).replace(":", "_")  # agent_<target>_s2_r1_c64.json past the first start
         for rnd in range(REPETITIONS + 1):  # round 0: the untimed warm-up of every level on each target
             order = sorted(targets)
             random.Random(rnd).shuffle(order)
@@ -315,14 +318,14 @@ def _one_start(k: int, names: list[str], models_root: Path, log_dir: Path, token
                 for c in levels:
                     for attempt in range(1 + (COMPILE_REPEATS if rnd else 0)):
                         t0 = time.monotonic()
-                        out_file = work / f"agent_{name}_{tag.replace(':', '_')}r{rnd}_c{c}{'_again' * attempt}.json"
+                        out_file = work / f"agent_{name}_{file_tag}r{rnd}_c{c}{'_again' * attempt}.json"
                         began, cpu_before = time.strftime(STAMP), cpu_use.snapshot(trees)
                         level, compiled = jit_cache.during(lambda: agent(*targets[name], c, out_file))
                         runs.append({"start": k, "round": rnd, "target": name, "concurrency": c, "level": level,
                                      "wall_s": round(time.monotonic() - t0, 1), "compiled": compiled,
                                      "span": [began, time.strftime(STAMP)],
                                      "cpu_s": cpu_use.spent(cpu_before, cpu_use.snapshot(trees))})
-                        out["order"].append(f"{tag}r{rnd}:{name}:C{c}")
+                        out["order"].append(_level_name(runs[-1]))
                         if not compiled["files"]:
                             break
         if profiles:
