@@ -3,9 +3,9 @@
 ``flash12`` servers (HiCache off; HiCache with bf16 keys, twice; the same with the checksum; HiCache with fp8
 keys) and two PD pairs (fixes on, off) under the agent workload at C=4 and C=64, in shuffled rounds. Throughput
 bars are held on the prefills' speed on the same batch over the timed levels (sglang's prefill log lines,
-``step_log.matched_ratio``), TTFT bars on the median of the per-round client ratios. On a CUDA host with the pin this runs the set (about fifteen
-minutes); ``DSV4_GPU_AGENTS_JSON=<record>`` asserts on a record a run wrote instead. Selected with ``-m gpu``;
-without a CUDA device and no record it fails.
+``step_log.matched_ratio``), TTFT bars on the median of the per-round client ratios. On a CUDA host with the pin
+this runs the set (two starts, the second the other way round: about half an hour); ``DSV4_GPU_AGENTS_JSON=<record>``
+asserts on a record a run wrote instead. Selected with ``-m gpu``; without a CUDA device and no record it fails.
 """
 
 from __future__ import annotations
@@ -49,7 +49,18 @@ def test_hicache_with_bf16_keys_lowers_ttft_at_high_concurrency(record):
     assert _ratio(record, "hicache_ttft_p50_gain_bf16", "64") > 1.0
 
 
+def _started_both_ways(record: dict, first: str, second: str) -> bool:
+    """Whether some start brought ``first`` up before ``second`` and another the other way round."""
+    orders = {o.index(first) < o.index(second) for o in record.get("start_order") or [] if {first, second} <= set(o)}
+    return orders == {True, False}
+
+
 def test_the_pd_fixes_cost_at_most_one_percent_of_throughput(record):
+    # Two PD pairs of one configuration on one H100 came out 5% apart, the one started first the slower
+    # (bench/results/gpu_serving/gpu_serving_h100_2026-12-06_lowhighc_pd_floor_7b5135b.json): a run that started
+    # the pairs one way only cannot hold a 1% bar.
+    assert _started_both_ways(record, "pd", "pd_fixes_off"), (
+        "the PD pairs were not started both ways round: run with DSV4_GPU_AGENT_STARTS=2")
     assert _pace(record, "pd_fixes_on_vs_off_throughput") >= 0.99
 
 

@@ -196,11 +196,11 @@ def test_run_incident_records_kills_multi_turn_and_leftovers_for_every_pair(stan
 
 
 def _small_agents(monkeypatch, **settings) -> None:
-    """The agents set with a workload the stand-ins serve in seconds, and these of its module settings
-    (``REPETITIONS``, ``PROFILED``, ``TARGETS``)."""
+    """The agents set with a workload the stand-ins serve in seconds, one start unless told, and these of its module
+    settings (``REPETITIONS``, ``PROFILED``, ``TARGETS``, ``STARTS``)."""
     monkeypatch.setattr(agents, "AGENT", ("--sessions", "4", "--groups", "2", "--prefix-words", "10", "--turns", "1",
                                           "--max-tokens", "4"))
-    for name, value in settings.items():
+    for name, value in {"STARTS": 1, **settings}.items():
         monkeypatch.setattr(agents, name, value)
 
 
