@@ -73,8 +73,8 @@ SINGLES = {
     "hc_bf16_again": ("bf16", _HICACHE, {}),
 }
 PAIRS = {"pd": {}, "pd_fixes_off": {"DSV4_SM120_NIXL_HARDENING": "0", "DSV4_SM120_COLLECTIVE_GUARD": "0"},
-         # each fix's own price, and pd once more (the floor under the pairs' ratios: an H100 run's two pairs
-         # differed by 13% on the same batch with the guard a no-op at one TP rank); not in the default panel
+         # each fix's own price, and pd once more (the floor under the pairs' ratios: two pairs of one
+         # configuration ran 5% apart on the same batch on one H100); not in the default panel
          "pd_guard_off": {"DSV4_SM120_COLLECTIVE_GUARD": "0"}, "pd_hardening_off": {"DSV4_SM120_NIXL_HARDENING": "0"},
          "pd_again": {}}
 DEFAULT_TARGETS = [*SINGLES, "pd", "pd_fixes_off"]
