@@ -18,19 +18,19 @@ behind the router, a prefill with HiCache and a decode with graphs (the incident
 a pair with one fix off each (``pd_guard_off``, ``pd_hardening_off``: each fix's own price) and ``pd_again``
 (``pd`` once more, the pairs' floor). Targets start in the order named (``start_order``).
 
-Order: each target first gets an untimed visit of every level (its first requests compile kernels for their
-shapes and fill the host pool; the servers share one JIT cache, so a level left out of it was compiled by whichever
-server met it first, in its timed level); then ``REPETITIONS`` rounds, each visiting every target in a shuffled
-order (seeded by the round) and, on each, the levels ``CONCURRENCY`` in ascending order on odd rounds and
-descending on even ones (with ``STARTS`` above one, all of it again after the targets were stopped and started
-the other way round); a timed level during which the JIT caches gained a file (a server compiled a kernel for a
-batch shape the warm-up had not made) is run once more and left out of the figures (``COMPILE_REPEATS``). Per
-target and level: the median of the rounds and their min-max for TTFT p50/p90, ITL p50, output and total
-throughput and the server's cache hit share; then the ratios the bars are about, each as the median of the
-per-round ratios with their min-max; per target its prefill's own pace over its timed levels (``server_side``, from
-sglang's prefill lines), the cores each server's processes kept busy while driven and while another target was
-(``cpu_cores_busy``, :mod:`cpu_use`), and a profiled level of the checksum server and its twin without it
-(``profiles``).
+Order: each target first gets an untimed visit of every level (its first requests compile kernels for their shapes
+and fill the host pool; the servers share one JIT cache, so a level left out of it was compiled by whichever server
+met it first, in its timed level); then ``REPETITIONS`` rounds, visiting every target in a shuffled order (seeded by
+the start) and, on each, the levels ``CONCURRENCY`` ascending on odd rounds, and on even ones both reversed, so that
+each even round is the odd one's exact reverse (ABBA; a shuffle seeded by the round had put the same of two targets
+first in every round of every run); with ``STARTS`` above one, all of it again after the targets were stopped and
+started the other way round; a timed level during which the JIT caches gained a file (a server compiled a kernel for
+a batch shape the warm-up had not made) is run once more and left out of the figures (``COMPILE_REPEATS``). Per
+target and level: the median of the rounds and their min-max for TTFT p50/p90, ITL p50, output and total throughput
+and the server's cache hit share; then the ratios the bars are about, each as the median of the per-round ratios
+with their min-max; per target its prefill's own pace over its timed levels (``server_side``, from sglang's prefill
+lines), the cores each server's processes kept busy while driven and while another target was (``cpu_cores_busy``,
+:mod:`cpu_use`), and a profiled level of the checksum server and its twin without it (``profiles``).
 """
 
 from __future__ import annotations
@@ -309,11 +309,12 @@ def _one_start(k: int, names: list[str], models_root: Path, log_dir: Path, token
                       (("prefill", p.cluster.prefill), ("decode", p.cluster.decode), ("router", p.cluster.router))
                       if proc is not None}
         file_tag = _start_tag(k).replace(":", "_")  # agent_<target>_s2_r1_c64.json past the first start
+        visits = sorted(targets)
+        random.Random(k).shuffle(visits)  # this start's order; a shuffle per round had put the same of two first
         for rnd in range(REPETITIONS + 1):  # round 0: the untimed warm-up of every level on each target
-            order = sorted(targets)
-            random.Random(rnd).shuffle(order)
-            levels = CONCURRENCY if rnd % 2 or rnd == 0 else tuple(reversed(CONCURRENCY))
-            for name in order:
+            forward = rnd % 2 or rnd == 0  # each even round the previous one's exact reverse (ABBA)
+            levels = CONCURRENCY if forward else tuple(reversed(CONCURRENCY))
+            for name in visits if forward else visits[::-1]:
                 for c in levels:
                     for attempt in range(1 + (COMPILE_REPEATS if rnd else 0)):
                         t0 = time.monotonic()

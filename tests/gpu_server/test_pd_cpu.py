@@ -219,6 +219,9 @@ def test_run_agents_visits_every_target_in_shuffled_abba_rounds_and_summarizes(s
     assert r1[0].endswith(":C4") and r1[1].endswith(":C64")  # ascending in odd rounds
     r2 = [o for o in res["order"] if o.startswith("r2")]
     assert r2[0].endswith(":C64") and r2[1].endswith(":C4")
+    # ABBA: the even round visits the targets and their levels in the odd one's exact reverse, so no target is
+    # always visited first
+    assert [o.split(":", 1)[1] for o in r2] == [o.split(":", 1)[1] for o in r1][::-1]
     assert not [r for r in res["runs"] if "error" in r["level"] or r["level"]["failed"]], res["runs"][:2]
     assert set(res["table"]) == targets and res["table"]["pd"]["64"]["output_tokens_per_s"]["n"] == 2
     assert res["ratios"]["checksum_throughput"]["4"]["n"] == 2
