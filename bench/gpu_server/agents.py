@@ -50,7 +50,7 @@ SESSIONS, POOL, CONCURRENCY = 64, 65536, (4, 64)
 REPETITIONS = int(os.environ.get("DSV4_GPU_AGENT_ROUNDS", "3"))  # timed rounds; more narrow the spread
 # how many times the targets are started, each start with its own warm-up and timed rounds, in the order named and
 # then reversed, so that the rounds the ratios take span both orders: two PD pairs configured alike on one H100 ran
-# 5% apart on the same batch, the one started first the slower: more than the 1% a fix may cost
+# 5% apart on the same batch, the one started first (and visited second) the slower: more than the 1% a fix may cost
 STARTS = int(os.environ.get("DSV4_GPU_AGENT_STARTS", "2"))
 AGENT = ("--sessions", str(SESSIONS), "--groups", "8", "--prefix-words", "1000", "--start-words", "1000",
          "--turn-words", "250", "--max-history-words", "100000", "--turns", "3", "--max-tokens", "32",

@@ -56,7 +56,8 @@ def _started_both_ways(record: dict, first: str, second: str) -> bool:
 
 
 def test_the_pd_fixes_cost_at_most_one_percent_of_throughput(record):
-    # Two PD pairs of one configuration on one H100 came out 5% apart, the one started first the slower
+    # Two PD pairs of one configuration on one H100 came out 5% apart, the one started first (and visited second)
+    # the slower
     # (bench/results/gpu_serving/gpu_serving_h100_2026-12-06_lowhighc_pd_floor_7b5135b.json): a run that started
     # the pairs one way only cannot hold a 1% bar.
     assert _started_both_ways(record, "pd", "pd_fixes_off"), (
