@@ -30,20 +30,23 @@ target and level: the median of the rounds and their min-max for TTFT p50/p90, I
 and the server's cache hit share; then the ratios the bars are about, each as the median of the per-round ratios
 with their min-max; per target its prefill's own pace over its timed levels (``server_side``, from sglang's prefill
 lines), the cores each server's processes kept busy while driven and while another target was (``cpu_cores_busy``,
-:mod:`cpu_use`), and a profiled level of the checksum server and its twin without it (``profiles``).
+:mod:`cpu_use`), each fix's share of its scheduler loops' time from the servers' own ``/metrics``
+(``hook_time``: where a 1% price is resolved, which the clients' figures cannot), and a profiled level of the
+checksum server and its twin without it (``profiles``).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.airgap import jit_cache
-from bench.gpu_server import cpu_use, hicache, pd, step_log
+from bench.gpu_server import cpu_use, hicache, pd, step_log, traffic
 from bench.gpu_server.servers import ServerSpec, launch_line, start, wait_healthy
 
 SESSIONS, POOL, CONCURRENCY = 64, 65536, (4, 64)
@@ -78,6 +81,7 @@ PAIRS = {"pd": {}, "pd_fixes_off": {"DSV4_SM120_NIXL_HARDENING": "0", "DSV4_SM12
          "pd_guard_off": {"DSV4_SM120_COLLECTIVE_GUARD": "0"}, "pd_hardening_off": {"DSV4_SM120_NIXL_HARDENING": "0"},
          "pd_again": {}}
 DEFAULT_TARGETS = [*SINGLES, "pd", "pd_fixes_off"]
+FIXES_TURNED_OFF = ("disagg", "guard")  # pd_fixes_off's switches, as the pin manifest names their hooks' fixes
 # the targets to start, in this order (comma-separated names of SINGLES and PAIRS; default DEFAULT_TARGETS): the
 # five singles alone fit a GPU of 80 GB, the pairs beside them need about 100 GB; a second run with the pairs
 # named the other way round starts them the other way round
@@ -144,6 +148,47 @@ def profile(front: str, metrics_url: str, work: Path, name: str) -> dict:
     return hicache.profiled(metrics_url, out_dir, lambda: agent(front, metrics_url, 64, out_dir / "level.json",
                                                                 max_tokens=PROFILE_MAX_TOKENS), name,
                             wait_s=0.0, steps=PROFILE_STEPS, timeout=PROFILE_TIMEOUT_S, with_stack=False)
+
+
+_HOOK_SECONDS = re.compile(r'^sglang:dsv4_hook_seconds_total\{([^}]*)\} (\S+)$', re.M)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def hook_seconds(url: str) -> dict[str, float]:
+    """``url``'s ``sglang:dsv4_hook_seconds_total`` by ``fix:thread``, summed over TP ranks ({} when it does not
+    answer)."""
+    try:
+        text = traffic.get_text(url, "/metrics")
+    except Exception:  # noqa: BLE001 - a level's figures stand without this
+        return {}
+    out: dict[str, float] = {}
+    for labels, value in _HOOK_SECONDS.findall(text):
+        lab = dict(_LABEL.findall(labels))
+        key = f"{lab.get('fix')}:{lab.get('thread')}"
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def hook_shares(runs: list[dict]) -> dict:
+    """Per target, level and process: each fix's seconds on its scheduler loop's thread (``<fix>:main``) over the
+    level's duration, the median over the timed clean rounds with its min-max. The loop serves one step after
+    another, so the share bounds what the fix can take from throughput; the sum over the fixes a comparison turns
+    off is under ``fixes``. The seconds are those between two scrapes, which also hold the loop's time before the
+    level's clients start and after they end (and up to a second the counters lag), so the share errs high."""
+    out: dict = {}
+    for r in runs:
+        if r["round"] == 0 or r.get("compiled", {}).get("files") or "error" in r["level"] or "hook_s" not in r:
+            continue
+        duration = r["level"].get("duration_s")
+        for role, by_key in r["hook_s"].items():
+            cell = out.setdefault(r["target"], {}).setdefault(str(r["concurrency"]), {}).setdefault(role, {})
+            for key, seconds in by_key.items():
+                if key.endswith(":main") and duration:
+                    cell.setdefault(key.removesuffix(":main"), []).append(seconds / duration)
+            cell.setdefault("fixes", []).append(
+                sum(by_key.get(f"{fix}:main", 0.0) for fix in FIXES_TURNED_OFF) / duration if duration else None)
+    return {t: {c: {role: {fix: _spread(v) for fix, v in cell.items()} for role, cell in by_c.items()}
+                for c, by_c in by_t.items()} for t, by_t in out.items()}
 
 
 def _spread(values: list[float]) -> dict:
@@ -265,6 +310,7 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
                            "starts": STARTS, "device_pool_tokens": POOL, "targets": list(TARGETS)}
         out.update(summarize(runs))  # over the levels that ran, also when the run was stopped
         out["cpu_cores_busy"] = cpu_use.cores(runs)
+        out["hook_time"] = hook_shares(runs)
         out["server_side"] = server_side(logs, runs)
 
 
@@ -303,6 +349,9 @@ def _one_start(k: int, names: list[str], models_root: Path, log_dir: Path, token
             ready()
         targets = {s.spec.name: (s.url, s.url) for s in started}
         targets |= {tag: (p.cluster.front, p.cluster.prefill.url) for tag, p in zip(pair_tags, pairs)}
+        processes = {s.spec.name: {"server": s.url} for s in started}  # whose /metrics time the fixes' hooks
+        processes |= {tag: {"prefill": p.cluster.prefill.url, "decode": p.cluster.decode.url}
+                      for tag, p in zip(pair_tags, pairs)}
         trees = {s.spec.name: s.proc.pid for s in started}  # each server's processes, for the CPU they use
         for tag, p in zip(pair_tags, pairs):
             trees |= {f"{tag}:{role}": proc.pid for role, proc in
@@ -317,6 +366,7 @@ def _one_start(k: int, names: list[str], models_root: Path, log_dir: Path, token
             for name in visits if forward else visits[::-1]:
                 for c in levels:
                     for attempt in range(1 + (COMPILE_REPEATS if rnd else 0)):
+                        hooks_before = {role: hook_seconds(url) for role, url in processes[name].items()}
                         t0 = time.monotonic()
                         out_file = work / f"agent_{name}_{file_tag}r{rnd}_c{c}{'_again' * attempt}.json"
                         began, cpu_before = time.strftime(STAMP), cpu_use.snapshot(trees)
@@ -325,6 +375,9 @@ def _one_start(k: int, names: list[str], models_root: Path, log_dir: Path, token
                                      "wall_s": round(time.monotonic() - t0, 1), "compiled": compiled,
                                      "span": [began, time.strftime(STAMP)],
                                      "cpu_s": cpu_use.spent(cpu_before, cpu_use.snapshot(trees))})
+                        runs[-1]["hook_s"] = {role: {k: round(v - hooks_before[role].get(k, 0.0), 6)
+                                                     for k, v in hook_seconds(url).items()}
+                                              for role, url in processes[name].items()}
                         out["order"].append(_level_name(runs[-1]))
                         if not compiled["files"]:
                             break

@@ -12,7 +12,9 @@ same way whether or not anyone scrapes.
 
 Gauges that describe a thread's state (is the NIXL bootstrap thread alive?) are
 sampled by one daemon thread every :data:`SAMPLE_EVERY_S`: a dead thread cannot
-report its own death.
+report its own death. The same thread publishes counters kept as plain totals
+where they grow on every call (:mod:`dsv4_sm120.hook_time`): a sampler gives a
+counter's total so far, and the counter is increased by what it gained since.
 """
 
 from __future__ import annotations
@@ -63,12 +65,16 @@ SPECS: dict[str, tuple] = {
     "guard_divergences_reconciled_total": ("counter", "Divergences the guard reconciled by aborting requests not held by every rank", ("loop",)),
     "guard_requests_aborted_total": ("counter", "Requests aborted by the guard because not every TP rank held them", ("loop",)),
     "guard_fail_fasts_total": ("counter", "Times the guard stopped the scheduler because reconciliation failed", ("loop",)),
+    # what each fix costs where it runs (hook_time)
+    "hook_seconds_total": ("counter", "Seconds the package's hooks and loop call ran, the upstream calls they wrap left out, by fix and thread (main: a scheduler's loop)", ("fix", "thread")),
+    "hook_calls_total": ("counter", "Calls of the package's hooks and loop call, by fix and thread (main: a scheduler's loop)", ("fix", "thread")),
 }
 
 _lock = threading.Lock()
 _metrics: dict = {}
 _labels: dict[str, str] = {}
 _samplers: list[Callable[[], dict]] = []
+_published: dict[tuple, float] = {}  # (counter name, label values) -> the total a sampler gave last
 _sampler_thread: threading.Thread | None = None
 
 
@@ -109,14 +115,16 @@ def inc(name: str, n: float = 1, **labels: str) -> None:
 
 
 def add_sampler(fn: Callable[[], dict]) -> None:
-    """Register ``fn() -> {gauge name: value or {label tuple: value}}``, called every :data:`SAMPLE_EVERY_S`."""
+    """Register ``fn() -> {gauge or counter name: value or {label tuple: value}}``, called every
+    :data:`SAMPLE_EVERY_S`; a counter's value is its total so far."""
     with _lock:
         if fn not in _samplers:
             _samplers.append(fn)
 
 
 def sample_once() -> None:
-    """Set every gauge from the registered samplers (the sampler thread's body; tests call it directly)."""
+    """Set every gauge, and bring every counter up to its total, from the registered samplers (the sampler
+    thread's body; tests call it directly)."""
     with _lock:
         samplers = list(_samplers)
     for fn in samplers:
@@ -126,15 +134,18 @@ def sample_once() -> None:
             logger.exception("dsv4-sm120: metrics sampler %s failed", getattr(fn, "__name__", fn))
             continue
         for name, value in values.items():
-            gauge = _metrics.get(name)
-            if gauge is None:
+            metric = _metrics.get(name)
+            if metric is None:
                 continue
-            if isinstance(value, dict):
-                for label_values, v in value.items():
-                    spec_labels = SPECS[name][2]
-                    gauge.labels(**_labels, **dict(zip(spec_labels, label_values))).set(v)
-            else:
-                gauge.labels(**_labels).set(value)
+            for label_values, v in (value.items() if isinstance(value, dict) else [((), value)]):
+                series = metric.labels(**_labels, **dict(zip(SPECS[name][2], label_values)))
+                if SPECS[name][0] == "counter":
+                    gained = v - _published.get((name, label_values), 0.0)
+                    _published[(name, label_values)] = v
+                    if gained > 0:
+                        series.inc(gained)
+                else:
+                    series.set(v)
 
 
 def _sample_forever() -> None:

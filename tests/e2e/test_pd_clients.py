@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from tests.e2e import checks
+from tests.e2e import checks, scrape
 
 
 def test_toolcall_check_on_a_random_model_is_inconclusive(pd, e2e_env, tmp_path, record):
@@ -38,3 +38,11 @@ def test_agent_bench_through_the_router_reads_the_prefill_cache_hits_and_leaves_
     assert proc.returncode == 0 and level["failed"] == 0 and level["served"] + level["cut"] == 12, level
     assert level["prompt_tokens"] > 0 and level["server_cache_hit"] > 0, level  # the groups' shared prefixes
     assert checks.settle(pd) == {}  # the cut streams' requests are gone on both sides
+    # what the fixes cost where they run, on both servers' /metrics: the NIXL hardening's and the guard's hooks
+    # were called on each scheduler's loop and timed
+    for proc in (pd.prefill, pd.decode):
+        samples = scrape.metrics(proc.url)
+        for fix in ("disagg", "guard"):
+            calls = scrape.total(samples, "sglang:dsv4_hook_calls_total", fix=fix, thread="main")
+            seconds = scrape.total(samples, "sglang:dsv4_hook_seconds_total", fix=fix, thread="main")
+            assert calls > 0 and seconds > 0, (proc.name, fix, calls, seconds)

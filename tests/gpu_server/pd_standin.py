@@ -10,7 +10,8 @@ a CPU in seconds. What each answers:
   thread for good (``/bootstrap_alive`` answers 503), as it stops upstream's;
 - the decode, and a server of no PD mode: chats (streamed a token every 20 ms, or whole), six index-K pages checked
   for each;
-- the router: chats passed to the decode while the prefill's thread lives; after that they stall, as the pin's do.
+- the router: chats passed to the decode while the prefill's thread lives; after that they stall, as the pin's do;
+- every server: the NIXL hardening's and the guard's hook time, a millisecond a second each while its switch is on.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ ap.add_argument("--decode")
 args, _ = ap.parse_known_args()
 role = args.disaggregation_mode or ("router" if args.prefill else "single")
 state = {"frames": 0, "alive": True, "pages": 0}
+STARTED = time.monotonic()
+FIX_SWITCHES = {"disagg": "DSV4_SM120_NIXL_HARDENING", "guard": "DSV4_SM120_COLLECTIVE_GUARD"}
 lock = threading.Lock()
 
 
@@ -43,6 +46,10 @@ def metrics() -> str:
     if role == "prefill":
         lines += [f'sglang:dsv4_nixl_frames_rejected_total{{reason="unknown tag"}} {state["frames"]}',
                   f"sglang:dsv4_nixl_bootstrap_threads_alive {int(state['alive'])}"]
+    if role != "router":
+        lines += [f'sglang:dsv4_hook_seconds_total{{tp_rank="0",fix="{fix}",thread="main"}} '
+                  f"{1e-3 * (time.monotonic() - STARTED)}"
+                  for fix, env in FIX_SWITCHES.items() if os.environ.get(env) != "0"]
     if role in ("decode", "single"):
         lines += [f"sglang:dsv4_index_k_pd_pages_checked_total {state['pages']}",
                   "sglang:dsv4_index_k_pd_mismatches_total 0"]

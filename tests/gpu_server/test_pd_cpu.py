@@ -247,6 +247,11 @@ def test_the_agents_sets_pd_pairs_run_alone_started_in_the_order_named(standins,
     assert not [r for r in res["runs"] if "error" in r["level"] or r["level"]["failed"]], res["runs"][:2]
     assert res["ratios"]["pd_fixes_on_vs_off_throughput"]["64"]["n"] == 1
     assert set(res["server_side"]["prefill"]) == {"pd", "pd_fixes_off"}
+    # each fix's share of the loops' time, from both servers' /metrics (the stand-ins: 1 ms a second per fix on),
+    # over the level's own duration: at least the two fixes' 2 ms a second, more for the scrapes' wider window
+    for role in ("prefill", "decode"):
+        assert 0.002 <= res["hook_time"]["pd"]["64"][role]["fixes"]["median"] < 0.05, res["hook_time"]
+        assert res["hook_time"]["pd_fixes_off"]["64"][role]["fixes"]["median"] == 0.0, res["hook_time"]
     assert not set(record["servers"]) & set(agents.SINGLES)
     assert res["start_order"] == [["pd_fixes_off", "pd"]]
     trees = {f"{t}:{role}" for t in ("pd", "pd_fixes_off") for role in ("prefill", "decode", "router")}
