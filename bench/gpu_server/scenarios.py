@@ -137,8 +137,8 @@ PREFILL_POINTS = [4096, 16384]
 PROFILE_POINTS = DECODE_POINTS  # every point, every server: the kernel-by-kernel difference of the steps
 PROFILE_TOKENS = 1024
 DECODE_SHORT, DECODE_STEPS = 8, 64
-# Rounds per point, each visiting every server once in an order of its own (shuffled, seeded by point and
-# round); a figure is the median of a server's visits, its spread their min-max: on an H200 one visit in a
+# Rounds per point, each visiting every server once in an order of its own (``_visit_order``: ABBA over a
+# shuffle per point); a figure is the median of a server's visits, its spread their min-max: on an H200 one visit in a
 # pair of two was 6% off its partner (3.397 vs 3.193 ms), more than the bar the figure is held to.
 DECODE_ROUNDS = PREFILL_ROUNDS = 5
 # sglang logs a decode line every this many steps: a visit's 72 steps give 8 clean windows (step_log.py)
@@ -189,11 +189,16 @@ def first_vs_steady(first: dict, decode: dict, prefill: dict) -> dict:
     return out
 
 
-def _visit_order(names: list[str], seed: str) -> list[str]:
-    """Every server once, in the order of this point and round (a seeded shuffle)."""
-    order = list(names)
-    random.Random(seed).shuffle(order)
-    return order
+def _visit_order(names: list[str], point: str, rnd: int) -> list[str]:
+    """Every server once, in round ``rnd``'s order at ``point``: one shuffle per point (seeded by it), turned by one
+    place every two rounds, and each odd round the even one before it reversed (ABBA). Over five rounds of three
+    servers every two of them are met in each order two or three times; a shuffle seeded by point and round had
+    visited one server before another in all five rounds of some points."""
+    base = sorted(names)
+    random.Random(point).shuffle(base)
+    turn = (rnd // 2) % len(base)
+    order = base[turn:] + base[:turn]
+    return order[::-1] if rnd % 2 else order
 
 
 def _spread(values: list) -> dict | None:
@@ -226,7 +231,7 @@ def run_cost(servers: dict, logs: dict | None = None, work_dir=None, out: dict |
     for i, length in enumerate(PREFILL_POINTS):
         visits = {n: [] for n in names}
         for rep in range(PREFILL_ROUNDS):
-            order[f"prefill {length} round {rep}"] = names_now = _visit_order(names, f"prefill {length} {rep}")
+            order[f"prefill {length} round {rep}"] = names_now = _visit_order(names, f"prefill {length}", rep)
             for v, name in enumerate(names_now):  # a fresh prompt each visit: nothing cached
                 t, _ = traffic.generate(servers[name], [traffic.prompt(50000 + 100 * i + 10 * rep + v, length, vocab)], 1)
                 visits[name].append(t * 1e3)
@@ -237,7 +242,7 @@ def run_cost(servers: dict, logs: dict | None = None, work_dir=None, out: dict |
         server: dict = {n: [] for n in names}
         long_visits: dict = {n: [] for n in names}
         for rep in range(DECODE_ROUNDS):
-            order[f"decode {batch}x{ctx} round {rep}"] = names_now = _visit_order(names, f"decode {batch}x{ctx} {rep}")
+            order[f"decode {batch}x{ctx} round {rep}"] = names_now = _visit_order(names, f"decode {batch}x{ctx}", rep)
             for v, name in enumerate(names_now):
                 ids = traffic.prompts(1000 * i + 100 * rep + 10 * v, batch, ctx, vocab, prefix=prefixes[ctx])
                 logged = len(logs[name]()) if logs else None

@@ -170,7 +170,8 @@ def test_cost_visits_every_server_in_shuffled_rounds_and_reads_a_profile(monkeyp
     rounds = [res["visit_order"][f"decode 2x300 round {r}"] for r in range(2)]
     assert all(sorted(r) == sorted(urls) for r in rounds)  # every server once a round, in that round's order
     assert visits[start:] == [("stream", urls[n]) for r in rounds for n in r]
-    assert res["visit_order"]["decode 2x300 round 0"] == scenarios._visit_order(list(urls), "decode 2x300 0")
+    assert res["visit_order"]["decode 2x300 round 0"] == scenarios._visit_order(list(urls), "decode 2x300", 0)
+    assert rounds[1] == rounds[0][::-1]  # ABBA: no server is always visited first
     assert len(res["decode"]["2x300"]["dsv4_bf16"]["visits_ms"]) == 2
     assert res["decode"]["2x300"]["dsv4_bf16"]["server_step_ms"] is None  # no logs given: no server measure
     # the step is read off the stream: each server's own step, whatever its prefill took
@@ -445,3 +446,16 @@ def test_the_agents_sets_profiled_level_answers_one_token_a_turn(monkeypatch, tm
     assert profiled[profiled.index("--max-tokens") + 1] == "1"
     assert timed[timed.index("--max-tokens") + 1] == "32"
 
+
+
+def test_every_two_servers_are_met_in_each_order_in_at_least_two_of_the_five_rounds():
+    names = [s.name for s in scenarios.cost_specs()]
+    points = [f"prefill {n}" for n in scenarios.PREFILL_POINTS] + [f"decode {b}x{c}" for b, c in scenarios.DECODE_POINTS]
+    for point in points:
+        orders = [scenarios._visit_order(names, point, r) for r in range(scenarios.DECODE_ROUNDS)]
+        assert all(sorted(o) == sorted(names) for o in orders), orders
+        for a in names:
+            for b in names:
+                if a != b:
+                    first = sum(o.index(a) < o.index(b) for o in orders)
+                    assert first >= 2, f"{point}: {a} before {b} in {first} of {len(orders)} rounds: {orders}"
