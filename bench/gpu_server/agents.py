@@ -150,43 +150,51 @@ def profile(front: str, metrics_url: str, work: Path, name: str) -> dict:
                             wait_s=0.0, steps=PROFILE_STEPS, timeout=PROFILE_TIMEOUT_S, with_stack=False)
 
 
-_HOOK_SECONDS = re.compile(r'^sglang:dsv4_hook_seconds_total\{([^}]*)\} (\S+)$', re.M)
+_HOOK_TOTALS = re.compile(r'^sglang:dsv4_hook_(seconds|calls)_total\{([^}]*)\} (\S+)$', re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
-def hook_seconds(url: str) -> dict[str, float]:
-    """``url``'s ``sglang:dsv4_hook_seconds_total`` by ``fix:thread``, summed over TP ranks ({} when it does not
-    answer)."""
+def hook_totals(url: str) -> dict[str, dict[str, float]]:
+    """``url``'s ``sglang:dsv4_hook_seconds_total`` and ``_calls_total`` (``seconds``, ``calls``), each by
+    ``fix:thread`` and summed over TP ranks (empty when it does not answer)."""
+    out: dict[str, dict[str, float]] = {"seconds": {}, "calls": {}}
     try:
         text = traffic.get_text(url, "/metrics")
     except Exception:  # noqa: BLE001 - a level's figures stand without this
-        return {}
-    out: dict[str, float] = {}
-    for labels, value in _HOOK_SECONDS.findall(text):
+        return out
+    for kind, labels, value in _HOOK_TOTALS.findall(text):
         lab = dict(_LABEL.findall(labels))
         key = f"{lab.get('fix')}:{lab.get('thread')}"
-        out[key] = out.get(key, 0.0) + float(value)
+        out[kind][key] = out[kind].get(key, 0.0) + float(value)
     return out
 
 
 def hook_shares(runs: list[dict]) -> dict:
     """Per target, level and process: each fix's seconds on its scheduler loop's thread (``<fix>:main``) over the
-    level's duration, the median over the timed clean rounds with its min-max. The loop serves one step after
-    another, so the share bounds what the fix can take from throughput; the sum over the fixes a comparison turns
-    off is under ``fixes``. The seconds are those between two scrapes, which also hold the loop's time before the
-    level's clients start and after they end (and up to a second the counters lag), so the share errs high."""
+    level's duration, the median over the timed clean rounds with its min-max. A level that took ``T`` with a
+    fix's ``X`` seconds on the loop's thread would take at least ``T - X`` without it, so the share bounds what
+    the fix takes from throughput; the sum over the fixes a comparison turns off is under ``fixes``, and their
+    calls a second under ``fixes_calls_per_s`` (times what wrapping adds per call, ``bench/hook_time_cpu.py``:
+    the price of the timing itself). The seconds are those between two scrapes, which also hold the loop's time
+    before the level's clients start and after they end (and up to a second the counters lag), and the loop's
+    idle iterations, so the share errs high."""
     out: dict = {}
     for r in runs:
         if r["round"] == 0 or r.get("compiled", {}).get("files") or "error" in r["level"] or "hook_s" not in r:
             continue
         duration = r["level"].get("duration_s")
+        if not duration:
+            continue
         for role, by_key in r["hook_s"].items():
             cell = out.setdefault(r["target"], {}).setdefault(str(r["concurrency"]), {}).setdefault(role, {})
             for key, seconds in by_key.items():
-                if key.endswith(":main") and duration:
+                if key.endswith(":main"):
                     cell.setdefault(key.removesuffix(":main"), []).append(seconds / duration)
-            cell.setdefault("fixes", []).append(
-                sum(by_key.get(f"{fix}:main", 0.0) for fix in FIXES_TURNED_OFF) / duration if duration else None)
+            cell.setdefault("fixes", []).append(sum(by_key.get(f"{f}:main", 0.0) for f in FIXES_TURNED_OFF) / duration)
+            if "hook_calls" in r:
+                calls = r["hook_calls"].get(role, {})
+                cell.setdefault("fixes_calls_per_s", []).append(
+                    sum(calls.get(f"{f}:main", 0.0) for f in FIXES_TURNED_OFF) / duration)
     return {t: {c: {role: {fix: _spread(v) for fix, v in cell.items()} for role, cell in by_c.items()}
                 for c, by_c in by_t.items()} for t, by_t in out.items()}
 
@@ -366,7 +374,7 @@ def _one_start(k: int, names: list[str], models_root: Path, log_dir: Path, token
             for name in visits if forward else visits[::-1]:
                 for c in levels:
                     for attempt in range(1 + (COMPILE_REPEATS if rnd else 0)):
-                        hooks_before = {role: hook_seconds(url) for role, url in processes[name].items()}
+                        hooks_before = {role: hook_totals(url) for role, url in processes[name].items()}
                         t0 = time.monotonic()
                         out_file = work / f"agent_{name}_{file_tag}r{rnd}_c{c}{'_again' * attempt}.json"
                         began, cpu_before = time.strftime(STAMP), cpu_use.snapshot(trees)
@@ -375,9 +383,11 @@ def _one_start(k: int, names: list[str], models_root: Path, log_dir: Path, token
                                      "wall_s": round(time.monotonic() - t0, 1), "compiled": compiled,
                                      "span": [began, time.strftime(STAMP)],
                                      "cpu_s": cpu_use.spent(cpu_before, cpu_use.snapshot(trees))})
-                        runs[-1]["hook_s"] = {role: {k: round(v - hooks_before[role].get(k, 0.0), 6)
-                                                     for k, v in hook_seconds(url).items()}
-                                              for role, url in processes[name].items()}
+                        hooks_after = {role: hook_totals(url) for role, url in processes[name].items()}
+                        for field, kind in (("hook_s", "seconds"), ("hook_calls", "calls")):  # what the level added
+                            runs[-1][field] = {role: {k: round(v - hooks_before[role][kind].get(k, 0.0), 6)
+                                                      for k, v in after[kind].items()}
+                                               for role, after in hooks_after.items()}
                         out["order"].append(_level_name(runs[-1]))
                         if not compiled["files"]:
                             break

@@ -1,27 +1,34 @@
 """What each fix costs where it runs: the seconds its hooks and its loop call take in the server, per fix and thread.
 
-Why: a fix may cost at most 1% of throughput, and two servers of one configuration on one GPU host differ by
-about 5% from start to start, so no throughput benchmark on one host can show a 1% price. What a fix adds to a
-step is the time its code runs on the thread that steps: a scheduler's loop runs on its process's main thread,
-one step after another, so that thread's seconds in a fix, over the seconds it served, bound the share of
-throughput the fix can take (less where the GPU's work hides it). Other threads (the NIXL transfer workers)
-only take the GIL from the loop meanwhile.
+Why: a fix may cost at most 1% of throughput, and two PD pairs of one configuration on one GPU host differ by
+5-10% from start to start, so no throughput benchmark on one host can show a 1% price. What a fix adds is the
+time its code runs on the thread that steps: a scheduler's loop runs on its process's main thread, one step
+after another, so a level that took ``T`` with the fix's ``X`` seconds on that thread would take at least
+``T - X`` without it, and ``X / T`` bounds the share of throughput the fix takes (loosely where the loop idles:
+its idle iterations run the hooks too). Other threads (the NIXL transfer workers) only take the GIL meanwhile.
 
 What is counted: every hook the package registers (:func:`dsv4_sm120.hooks.hook` wraps each in :func:`wrap`,
 labelled with the manifest's ``fix`` of its target) and the collective guard's loop call (:func:`timed`). An
 AROUND hook's own time is its whole call less the upstream call it wraps (``original``): that is upstream's
-work, which would run without the package, and a hook nested inside it counts under its own fix. Time is
-``perf_counter_ns`` (wall time on the calling thread, what a step waits for), in integers per thread so that
-no two threads write one total.
+work, which would run without the package, and a hook nested inside it counts under its own fix.
+
+How, at a price the loop does not notice: timing a call costs more than most hooks (four clock reads and an
+inner function for an AROUND hook: 1.1 us a call on an H100 host's CPU, against ~0.4 us of hook), and the loops
+call these hooks tens of thousands of times a second. So each wrapped function times one call at random
+intervals averaging :data:`SAMPLE_EVERY` calls, and that call's time stands for every call since the previous
+timed one (``gap`` calls): the seconds are an unbiased estimate (the intervals do not depend on what the calls
+cost), the calls an exact count up to the last timed call. A call not timed costs a counter decrement.
+Totals are integers per thread ident, so no two threads write one total (the countdown is shared: a race there
+only moves which call is timed).
 
 Published: :data:`dsv4_sm120.metrics.SPECS` ``hook_seconds_total`` and ``hook_calls_total``, labelled ``fix`` and
 ``thread`` (``main`` or ``other``), by the metrics sampler once a second; a Prometheus increment per call would
-cost more than most hooks do. What the counting itself adds per call (two clock reads, an AROUND hook's inner
-function) is not in the totals; ``bench/hook_time_cpu.py`` times it.
+cost more than most hooks do. ``bench/hook_time_cpu.py`` times what the wrapping adds per call.
 """
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Callable
 from threading import get_ident
@@ -29,31 +36,51 @@ from time import perf_counter_ns
 
 from dsv4_sm120 import metrics
 
-# per timed function: its fix and its totals by thread ident, [nanoseconds, calls], each written by its thread only
+SAMPLE_EVERY = 16  # the mean interval between timed calls of one wrapped function
+_gaps = random.Random()  # the intervals: uniform on 1 .. 2 * SAMPLE_EVERY - 1
+
+# per wrapped function: its fix and its totals by thread ident, [estimated nanoseconds, calls]
 _counted: list[tuple[str, dict[int, list[int]]]] = []
 
 
-def _cells(fix: str) -> dict[int, list[int]]:
-    cells: dict[int, list[int]] = {}
-    _counted.append((fix, cells))
-    return cells
+class _Sampler:
+    """One wrapped function's countdown to its next timed call, and its totals."""
+
+    __slots__ = ("left", "gap", "cells")
+
+    def __init__(self, fix: str):
+        self.cells: dict[int, list[int]] = {}
+        _counted.append((fix, self.cells))
+        self.gap = self.left = self._next_gap()
+
+    @staticmethod
+    def _next_gap() -> int:
+        return _gaps.randint(1, 2 * SAMPLE_EVERY - 1)
+
+    def record(self, ns: int) -> None:
+        """The timed call took ``ns``: it stands for the ``gap`` calls since the previous timed one."""
+        ident = get_ident()
+        cell = self.cells.get(ident)
+        if cell is None:
+            cell = self.cells[ident] = [0, 0]
+        cell[0] += ns * self.gap
+        cell[1] += self.gap
+        self.gap = self.left = self._next_gap()
 
 
 def timed(fix: str, fn: Callable) -> Callable:
-    """``fn`` with every call's time counted under ``fix`` (a hook called on its own, or a loop call)."""
-    cells = _cells(fix)
+    """``fn`` with its time counted under ``fix`` (a hook called on its own, or a loop call)."""
+    sampler = _Sampler(fix)
 
     def call(*args, **kwargs):
+        sampler.left -= 1
+        if sampler.left > 0:
+            return fn(*args, **kwargs)
         t0 = perf_counter_ns()
         try:
             return fn(*args, **kwargs)
         finally:
-            ns = perf_counter_ns() - t0
-            cell = cells.get(get_ident())
-            if cell is None:
-                cell = cells[get_ident()] = [0, 0]
-            cell[0] += ns
-            cell[1] += 1
+            sampler.record(perf_counter_ns() - t0)
 
     return _named_after(call, fn)
 
@@ -61,9 +88,12 @@ def timed(fix: str, fn: Callable) -> Callable:
 def timed_around(fix: str, fn: Callable) -> Callable:
     """The AROUND hook ``fn(original, *args, **kwargs)`` with its own time counted under ``fix``: its call less
     the time spent in ``original``."""
-    cells = _cells(fix)
+    sampler = _Sampler(fix)
 
     def call(original, *args, **kwargs):
+        sampler.left -= 1
+        if sampler.left > 0:
+            return fn(original, *args, **kwargs)
         inside = [0]
 
         def upstream(*a, **k):
@@ -77,12 +107,7 @@ def timed_around(fix: str, fn: Callable) -> Callable:
         try:
             return fn(upstream, *args, **kwargs)
         finally:
-            ns = perf_counter_ns() - t0 - inside[0]
-            cell = cells.get(get_ident())
-            if cell is None:
-                cell = cells[get_ident()] = [0, 0]
-            cell[0] += ns
-            cell[1] += 1
+            sampler.record(perf_counter_ns() - t0 - inside[0])
 
     return _named_after(call, fn)
 

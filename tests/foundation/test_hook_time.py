@@ -15,9 +15,10 @@ class Clock:
     """A ``perf_counter_ns`` that moves only when the test's stand-in work says it took time."""
 
     def __init__(self):
-        self.now = 0
+        self.now = self.reads = 0
 
     def __call__(self) -> int:
+        self.reads += 1
         return self.now
 
     def work(self, ns: int) -> None:
@@ -26,9 +27,12 @@ class Clock:
 
 @pytest.fixture
 def clock(monkeypatch):
+    """The fake clock, and every call timed (an interval of one) unless a test sets ``clock.gap``."""
     c = Clock()
+    c.gap = 1
     monkeypatch.setattr(hook_time, "perf_counter_ns", c)
     monkeypatch.setattr(hook_time, "_counted", [])
+    monkeypatch.setattr(hook_time._Sampler, "_next_gap", staticmethod(lambda: c.gap))
     return c
 
 
@@ -58,6 +62,21 @@ def test_an_around_hooks_own_time_leaves_out_the_upstream_call_it_wraps(clock):
     assert _seconds("guard") == pytest.approx(4e-6)
     calls = hook_time.totals()["hook_calls_total"]
     assert calls[("disagg", "main")] == calls[("guard", "main")] == 1
+
+
+def test_one_call_in_an_interval_is_timed_and_stands_for_every_call_of_it(clock):
+    clock.gap = 4
+
+    def around(original, cost):
+        clock.work(cost)  # the calls cost 1..8 us: the timed 4th and 8th stand for their intervals
+        return original()
+
+    timed = hook_time.wrap("around", "guard", around)
+    for cost in range(1_000, 9_000, 1_000):
+        timed(lambda: clock.work(50_000), cost)
+    assert hook_time.totals()["hook_calls_total"][("guard", "main")] == 8
+    assert _seconds("guard") == pytest.approx((4 * 4_000 + 4 * 8_000) / 1e9)
+    assert clock.reads == 2 * 4  # an AROUND hook's timed call reads the clock four times; the others never
 
 
 def test_a_hook_that_raises_is_still_counted_and_its_error_passes_through(clock):
@@ -96,9 +115,14 @@ def test_the_guards_loop_call_is_timed_under_guard():
     from dsv4_sm120.guard import loop_guard
 
     assert loop_guard.check_iteration.__wrapped__ is loop_guard._check_iteration
-    before = _seconds("guard"), hook_time.totals()["hook_calls_total"].get(("guard", "main"), 0)
-    loop_guard.check_iteration(type("Scheduler", (), {"tp_rank": 0})(), "decode")  # the guard off: it only returns
-    assert hook_time.totals()["hook_calls_total"][("guard", "main")] == before[1] + 1
+    calls = lambda: hook_time.totals()["hook_calls_total"].get(("guard", "main"), 0)  # noqa: E731
+    before, scheduler = calls(), type("Scheduler", (), {"tp_rank": 0})()
+    for n in range(1, 2 * hook_time.SAMPLE_EVERY):  # within one interval a call is timed, standing for all n
+        loop_guard.check_iteration(scheduler, "decode")  # the guard off (no TP group): it only returns
+        if calls() != before:  # the interval may have begun with calls of earlier tests
+            assert before + n <= calls() < before + n + 2 * hook_time.SAMPLE_EVERY
+            return
+    raise AssertionError(f"no call of the guard's loop call was timed in {n}")
 
 
 def test_hook_time_reaches_prometheus_as_counters_by_fix_and_thread():
@@ -108,6 +132,7 @@ def test_hook_time_reaches_prometheus_as_counters_by_fix_and_thread():
         "from prometheus_client import REGISTRY\n"
         "from dsv4_sm120 import hook_time, metrics\n"
         "metrics.enable(0)\n"
+        "hook_time.SAMPLE_EVERY = 1\n"  # every call timed
         "busy = hook_time.wrap('before', 'guard', lambda: time.sleep(0.01))\n"
         "busy(); busy()\n"
         "t = threading.Thread(target=busy); t.start(); t.join()\n"

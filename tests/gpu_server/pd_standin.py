@@ -11,7 +11,8 @@ a CPU in seconds. What each answers:
 - the decode, and a server of no PD mode: chats (streamed a token every 20 ms, or whole), six index-K pages checked
   for each;
 - the router: chats passed to the decode while the prefill's thread lives; after that they stall, as the pin's do;
-- every server: the NIXL hardening's and the guard's hook time, a millisecond a second each while its switch is on.
+- every server: the NIXL hardening's and the guard's hook time, a millisecond and a thousand calls a second each
+  while its switch is on.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def metrics() -> str:
         lines += [f'sglang:dsv4_nixl_frames_rejected_total{{reason="unknown tag"}} {state["frames"]}',
                   f"sglang:dsv4_nixl_bootstrap_threads_alive {int(state['alive'])}"]
     if role != "router":
-        lines += [f'sglang:dsv4_hook_seconds_total{{tp_rank="0",fix="{fix}",thread="main"}} '
-                  f"{1e-3 * (time.monotonic() - STARTED)}"
-                  for fix, env in FIX_SWITCHES.items() if os.environ.get(env) != "0"]
+        up = time.monotonic() - STARTED
+        lines += [f'sglang:dsv4_hook_{kind}_total{{tp_rank="0",fix="{fix}",thread="main"}} {per_s * up}'
+                  for fix, env in FIX_SWITCHES.items() if os.environ.get(env) != "0"
+                  for kind, per_s in (("seconds", 1e-3), ("calls", 1e3))]
     if role in ("decode", "single"):
         lines += [f"sglang:dsv4_index_k_pd_pages_checked_total {state['pages']}",
                   "sglang:dsv4_index_k_pd_mismatches_total 0"]

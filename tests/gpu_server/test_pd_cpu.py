@@ -251,6 +251,7 @@ def test_the_agents_sets_pd_pairs_run_alone_started_in_the_order_named(standins,
     # over the level's own duration: at least the two fixes' 2 ms a second, more for the scrapes' wider window
     for role in ("prefill", "decode"):
         assert 0.002 <= res["hook_time"]["pd"]["64"][role]["fixes"]["median"] < 0.05, res["hook_time"]
+        assert 2000 <= res["hook_time"]["pd"]["64"][role]["fixes_calls_per_s"]["median"] < 50000, res["hook_time"]
         assert res["hook_time"]["pd_fixes_off"]["64"][role]["fixes"]["median"] == 0.0, res["hook_time"]
     assert not set(record["servers"]) & set(agents.SINGLES)
     assert res["start_order"] == [["pd_fixes_off", "pd"]]
