@@ -24,7 +24,7 @@ met it first, in its timed level); then ``REPETITIONS`` rounds, visiting every t
 the start) and, on each, the levels ``CONCURRENCY`` ascending on odd rounds, and on even ones both reversed, so that
 each even round is the odd one's exact reverse (ABBA; a shuffle seeded by the round had put the same of two targets
 first in every round of every run); with ``STARTS`` above one, all of it again after the targets were stopped and
-started the other way round; a timed level during which the JIT caches gained a file (a server compiled a kernel for
+started the other way round (``ALONE``: one target a start, in ABBA order over the starts); a timed level during which the JIT caches gained a file (a server compiled a kernel for
 a batch shape the warm-up had not made) is run once more and left out of the figures (``COMPILE_REPEATS``). Per
 target and level: the median of the rounds and their min-max for TTFT p50/p90, ITL p50, output and total throughput
 and the server's cache hit share; then the ratios the bars are about, each as the median of the per-round ratios
@@ -55,6 +55,12 @@ REPETITIONS = int(os.environ.get("DSV4_GPU_AGENT_ROUNDS", "3"))  # timed rounds;
 # then reversed, so that the rounds the ratios take span both orders: two PD pairs configured alike on one H100 ran
 # 5% apart on the same batch, the one started first (and visited second) the slower: more than the 1% a fix may cost
 STARTS = int(os.environ.get("DSV4_GPU_AGENT_STARTS", "2"))
+# 1: each start starts one target alone, the targets taking turns in ABBA order over the starts (A B B A for two),
+# and a ratio pairs the targets of one block of starts (starts 1-2, 3-4, ...). Why: a PD server's loops keep about
+# two cores busy while it idles, and two pairs of one configuration driven in turn beside each other ran 7-11%
+# apart in one run with ABBA visits, as far apart as the fixes on and off; alone, no pair shares the GPU host
+# with another. STARTS is then a multiple of twice the targets (four for two).
+ALONE = os.environ.get("DSV4_GPU_AGENT_ALONE", "0") == "1"
 AGENT = ("--sessions", str(SESSIONS), "--groups", "8", "--prefix-words", "1000", "--start-words", "1000",
          "--turn-words", "250", "--max-history-words", "100000", "--turns", "3", "--max-tokens", "32",
          "--request-timeout", "300")
@@ -222,13 +228,13 @@ def summarize(runs: list[dict], rounds: tuple[int, ...] | None = None) -> dict:
     out = {t: {c: {f: _spread([lv.get(f) for lv in levels]) for f in FIGURES} for c, levels in by_c.items()}
            for t, by_c in table.items()}
     ratios: dict = {}
-    timed = sorted({(r.get("start", 1), r["round"]) for r in runs})  # a round of a start
+    timed = sorted({(_block(r), r["round"]) for r in runs})  # a round of a start (of a block of starts, alone)
     for name, num, den, figure in RATIOS:
         for c in CONCURRENCY:
             per_round = []
             for key in timed:
                 a, b = ([r["level"].get(figure) for r in runs if "error" not in r["level"]
-                         and (r["target"], r["concurrency"], r.get("start", 1), r["round"]) == (t, c, *key)]
+                         and (r["target"], r["concurrency"], _block(r), r["round"]) == (t, c, *key)]
                         for t in (num, den))
                 if a and b and a[0] and b[0]:
                     per_round.append(a[0] / b[0])
@@ -244,6 +250,29 @@ def _prefill_logs(started: list, pair_tags: list[str], pairs: list) -> dict:
     return {s.spec.name: s.proc.log for s in started} | {tag: p.cluster.prefill.log for tag, p in zip(pair_tags, pairs)}
 
 
+def starts_plan(targets: list[str], starts: int, alone: bool) -> list[tuple[int, list[str]]]:
+    """Per start, its block (what a ratio pairs within) and the targets it starts, in order: every target, the
+    order named on odd starts and reversed on even ones; or, ``alone``, one target a start in ABBA order over
+    the starts (blocks of ``len(targets)`` starts)."""
+    if not alone:
+        return [(k, targets if k % 2 else targets[::-1]) for k in range(1, starts + 1)]
+    n = len(targets)
+    if starts % (2 * n):
+        raise ValueError(f"DSV4_GPU_AGENT_ALONE=1 needs DSV4_GPU_AGENT_STARTS a multiple of {2 * n} (each of the "
+                         f"{n} targets once per block, blocks in ABBA order); it is {starts}")
+    plan = []
+    for k in range(starts):
+        block = k // n
+        order = targets if block % 2 == 0 else targets[::-1]
+        plan.append((block + 1, [order[k % n]]))
+    return plan
+
+
+def _block(run: dict) -> int:
+    """The block of starts a run's level belongs to (its start, unless each start ran one target alone)."""
+    return run.get("block", run.get("start", 1))
+
+
 def _start_tag(start: int) -> str:
     """What leads the name of a later start's level (``s2:``), so that it stands apart from the first's (none)."""
     return "" if start == 1 else f"s{start}:"
@@ -255,9 +284,9 @@ def _level_name(run: dict) -> str:
 
 
 def _timed_spans(runs: list[dict], target: str) -> dict:
-    """``target``'s timed levels that count, (start, round, concurrency) -> its wall-clock span: the rounds past
-    the warm-up, not compiling, not failed."""
-    return {(r.get("start", 1), r["round"], r["concurrency"]): tuple(r["span"]) for r in runs
+    """``target``'s timed levels that count, (block, round, concurrency) -> (its start, its wall-clock span): the
+    rounds past the warm-up, not compiling, not failed."""
+    return {(_block(r), r["round"], r["concurrency"]): (r.get("start", 1), tuple(r["span"])) for r in runs
             if r["target"] == target and r["round"] > 0 and "span" in r and not r.get("compiled", {}).get("files")
             and "error" not in r["level"]}
 
@@ -280,7 +309,8 @@ def server_side(prefill_logs: dict, runs: list[dict]) -> dict:
 
     def batches(name: str, levels) -> list:
         return [b for k, by in texts.items() if by.get(name)
-                for b in step_log.busy_batches(by[name], [spans[name][lv] for lv in levels if lv[0] == k])]
+                for b in step_log.busy_batches(by[name], [span for start, span in map(spans[name].get, levels)
+                                                          if start == k])]
 
     pace = {name: step_log.prefill_pace(batches(name, spans[name])) if any(by.get(name) for by in texts.values())
             else {} for name in names}
@@ -301,32 +331,32 @@ def server_side(prefill_logs: dict, runs: list[dict]) -> dict:
 
 def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict, out: dict,
         mem_fraction: float | None = None, ready=None) -> None:
-    """``STARTS`` times: start every target (in the order named, then reversed), warm each, visit them in the
-    rounds' order, stop all; then the figures over every start."""
+    """``STARTS`` times: start every target (in the order named, then reversed) or, ``ALONE``, one in its turn
+    (:func:`starts_plan`), warm each, visit them in the rounds' order, stop all; then the figures over every
+    start."""
     work, tokenizer = pd.prepare(log_dir, out)
     out["host_cpus"], out["order"], out["start_order"] = os.cpu_count(), [], []
     runs: list[dict] = out.setdefault("runs", [])  # in the record as they come: a stopped run keeps its levels
     logs: dict[int, dict] = {}  # start -> target -> its prefill's log
     try:
-        for k in range(1, STARTS + 1):
-            names = TARGETS if k % 2 else TARGETS[::-1]
-            _one_start(k, names, models_root, log_dir if STARTS == 1 else log_dir / f"start{k}", tokenizer, work,
-                       startup_timeout, servers, out, logs, mem_fraction, ready if k == 1 else None,
+        for k, (block, names) in enumerate(starts_plan(TARGETS, STARTS, ALONE), start=1):
+            _one_start(k, block, names, models_root, log_dir if STARTS == 1 else log_dir / f"start{k}", tokenizer,
+                       work, startup_timeout, servers, out, logs, mem_fraction, ready if k == 1 else None,
                        profiles=k == STARTS)
     finally:
         out["workload"] = {"agent_bench": list(AGENT), "concurrency": list(CONCURRENCY), "rounds": REPETITIONS,
-                           "starts": STARTS, "device_pool_tokens": POOL, "targets": list(TARGETS)}
+                           "starts": STARTS, "alone": ALONE, "device_pool_tokens": POOL, "targets": list(TARGETS)}
         out.update(summarize(runs))  # over the levels that ran, also when the run was stopped
         out["cpu_cores_busy"] = cpu_use.cores(runs)
         out["hook_time"] = hook_shares(runs)
         out["server_side"] = server_side(logs, runs)
 
 
-def _one_start(k: int, names: list[str], models_root: Path, log_dir: Path, tokenizer: Path, work: Path,
+def _one_start(k: int, block: int, names: list[str], models_root: Path, log_dir: Path, tokenizer: Path, work: Path,
                startup_timeout: float, servers: dict, out: dict, logs: dict, mem_fraction: float | None,
                ready, profiles: bool) -> None:
-    """Start ``names`` in that order, warm each, run the timed rounds (``runs`` entries of start ``k``), profile
-    when asked, stop all; ``logs[k]`` names each target's prefill log as soon as it is started."""
+    """Start ``names`` in that order, warm each, run the timed rounds (``runs`` entries of start ``k`` in ``block``),
+    profile when asked, stop all; ``logs[k]`` names each target's prefill log as soon as it is started."""
     log_dir.mkdir(parents=True, exist_ok=True)
     suffix = "" if k == 1 else f"@start{k}"  # the launch lines of a later start beside the first's
     started, pairs = [], []
@@ -379,7 +409,8 @@ def _one_start(k: int, names: list[str], models_root: Path, log_dir: Path, token
                         out_file = work / f"agent_{name}_{file_tag}r{rnd}_c{c}{'_again' * attempt}.json"
                         began, cpu_before = time.strftime(STAMP), cpu_use.snapshot(trees)
                         level, compiled = jit_cache.during(lambda: agent(*targets[name], c, out_file))
-                        runs.append({"start": k, "round": rnd, "target": name, "concurrency": c, "level": level,
+                        runs.append({"start": k, "block": block, "round": rnd, "target": name, "concurrency": c,
+                                     "level": level,
                                      "wall_s": round(time.monotonic() - t0, 1), "compiled": compiled,
                                      "span": [began, time.strftime(STAMP)],
                                      "cpu_s": cpu_use.spent(cpu_before, cpu_use.snapshot(trees))})

@@ -282,6 +282,25 @@ def test_the_agents_set_started_twice_starts_the_pairs_the_other_way_round(stand
     assert {"logs_agents/start1/prefill_pd.log", "logs_agents/start2/prefill_pd.log"} <= set(logs)
 
 
+def test_alone_each_start_starts_one_pair_in_abba_order_and_a_ratio_pairs_a_block(standins, monkeypatch, tmp_path):
+    """``ALONE``: no pair shares the host with another; the starts take the targets in turn (A B B A) and a ratio
+    pairs the two starts of a block, the clients' and the prefills' on the same batch alike."""
+    assert [names for _, names in agents.starts_plan(["a", "b"], 8, alone=True)] == [
+        ["a"], ["b"], ["b"], ["a"], ["a"], ["b"], ["b"], ["a"]]
+    assert [block for block, _ in agents.starts_plan(["a", "b"], 4, alone=True)] == [1, 1, 2, 2]
+    with pytest.raises(ValueError, match="a multiple of 4"):
+        agents.starts_plan(["a", "b"], 2, alone=True)
+    _small_agents(monkeypatch, REPETITIONS=1, PROFILED=(), TARGETS=["pd", "pd_fixes_off"], STARTS=4, ALONE=True)
+    out = tmp_path / "agents.json"
+    assert run.main(["agents", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"]) == 0
+    res = json.loads(out.read_text())["results"]
+    assert res["start_order"] == [["pd"], ["pd_fixes_off"], ["pd_fixes_off"], ["pd"]]
+    assert not [r for r in res["runs"] if "error" in r["level"] or r["level"]["failed"]], res["runs"][:2]
+    assert res["ratios"]["pd_fixes_on_vs_off_throughput"]["64"]["n"] == 2  # one timed round of each block
+    assert {(r["start"], r["block"]) for r in res["runs"]} == {(1, 1), (2, 1), (3, 2), (4, 2)}
+    assert res["workload"]["alone"] is True
+
+
 def test_each_pd_fix_has_a_pair_of_its_own_and_pd_a_twin(monkeypatch):
     """Each fix's own price (one switch off) and the pairs' floor (``pd_again``) are named targets; the default
     panel stays the singles and the two pairs."""

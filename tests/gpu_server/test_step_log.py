@@ -138,6 +138,26 @@ def test_the_prefills_pace_over_two_starts_takes_each_starts_log_within_its_own_
     assert side["new_tokens_per_s_ratios"]["pd_fixes_on_vs_off_throughput"] == 1.0
 
 
+def test_alone_the_prefills_are_compared_within_a_block_of_starts(tmp_path):
+    """Each start ran one target alone (A B B A): a ratio pairs the two starts of a block, each start's batches
+    taken from its own log within its own levels."""
+    from bench.gpu_server import agents
+
+    times = {1: ("04:09:40", "04:09:45"), 2: ("04:20:40", "04:20:45"), 3: ("04:30:40", "04:30:45"),
+             4: ("04:40:40", "04:40:45")}
+    logs, runs = {}, []
+    for k, target in ((1, "pd"), (2, "pd_fixes_off"), (3, "pd_fixes_off"), (4, "pd")):
+        (tmp_path / f"{k}.log").write_text(PREFILL_LOG.replace("04:09:40", times[k][0]).replace("04:09:45", times[k][1]))
+        logs[k] = {target: tmp_path / f"{k}.log"}
+        minute = times[k][0][:5]
+        runs.append({"start": k, "block": (k + 1) // 2, "target": target, "round": 1, "concurrency": 64, "level": {},
+                     "span": [f"2026-12-06 {minute}:30", f"2026-12-06 {minute}:50"]})
+    side = agents.server_side(logs, runs)
+    assert side["prefill"]["pd"]["batches"] == 4  # two of each of its starts
+    assert side["compared_levels"]["pd_fixes_on_vs_off_throughput"] == ["r1:C64", "s2:r1:C64"]
+    assert side["new_tokens_per_s_ratios"]["pd_fixes_on_vs_off_throughput"] == 1.0
+
+
 def _batches(seconds_of, mix, n=60, seed=1):
     """n busy batches of ``mix`` (mean new, mean cached tokens) timed by ``seconds_of(new, cached)`` plus noise."""
     import random
