@@ -346,10 +346,7 @@ def main() -> int:
         if all(key in r for r in rows):
             out[key] = [r[key] for r in rows]
     out["results"] = out.pop("results")  # last, after the headline lists
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {a.out}")
+    run_record.write(a.out, out)
     return 0
 
 

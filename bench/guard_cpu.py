@@ -101,10 +101,7 @@ def main() -> int:
         "second_agreement_us": [r["second_agreement_us"] for r in rows],
         "results": rows,
     }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    run_record.write(args.out, out)
     return 0
 
 

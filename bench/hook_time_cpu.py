@@ -61,10 +61,7 @@ def main() -> int:
            "method": f"timeit of {args.calls} calls per repetition; {args.repetitions} bare/timed pairs per kind, "
                      "the order within a pair alternating; added_ns = timed - bare per pair",
            "load_average_at_end": os.getloadavg(), "results": rows}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    run_record.write(args.out, out)
     return 0
 
 

@@ -9,6 +9,7 @@ Standard library only: the air-gap tool's bare-Python steps import it too.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -43,3 +44,12 @@ def commit(given: str | None = None) -> str:
 def now_utc() -> str:
     """The record's date: UTC, to the second."""
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def write(path: Path | None, record: dict) -> None:
+    """``record`` as indented JSON at ``path`` (its folder made), and a line saying so; nothing without a path."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {path}")
