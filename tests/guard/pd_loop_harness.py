@@ -1256,8 +1256,9 @@ def _publish_server_args() -> None:
 
 def _apply_guard_hooks() -> None:
     """The guard area's hooks, registered and applied with upstream's HookRegistry as the plugin does
-    with the guard on. They act only on schedulers the patched loop guards, so the guard-off and
-    upstream-loop scenarios run upstream's code."""
+    with the guard on, and, as a scheduler with TP peers does at ``init_disaggregation``'s end (these
+    ranks are such schedulers, built without it), the peers' hooks. They act only on schedulers the
+    patched loop guards, so the guard-off and upstream-loop scenarios run upstream's code."""
     import dataclasses
 
     from sglang.srt.plugins.hook_registry import HookRegistry
@@ -1268,6 +1269,7 @@ def _apply_guard_hooks() -> None:
     if poll_reduce.TARGET not in HookRegistry._patched:
         hooks.register(dataclasses.replace(settings.load(), collective_guard=True))
         HookRegistry.apply_hooks()
+        hooks.apply_peer_hooks()
 
 
 def free_port() -> int:

@@ -181,3 +181,31 @@ def test_poll_rows_of_different_lengths_are_read_whole_and_reported():
     peer.publish(3, [1, 4], 2)
     rows = me.exchange(3, [3, 1, 2, 3], used=4)
     assert [me.words(r) for r in rows] == [(3, 1, 2, 3), (1, 4)]
+
+
+def test_the_peers_hooks_go_on_only_in_a_pd_scheduler_with_tp_peers():
+    """At one TP rank the guard has nothing to agree on: its per-iteration hooks stay off upstream's methods (they
+    took 0.5-1.3% of a TP=1 PD pair's loops to step aside); a PD scheduler with peers puts them on when its
+    disaggregation state is built. In a process of its own: applied hooks stay for the process."""
+    probe = (
+        "import dataclasses\n"
+        "from types import SimpleNamespace\n"
+        "from sglang.srt.plugins.hook_registry import HookRegistry\n"
+        "from dsv4_sm120 import settings\n"
+        "from dsv4_sm120.guard import batch_check, consensus, hooks, queue_check\n"
+        "hooks.register(dataclasses.replace(settings.load(), collective_guard=True))\n"
+        "HookRegistry.apply_hooks()\n"
+        "on = lambda: [t in HookRegistry._patched for t in (batch_check.PREFILL_TARGET, "
+        "queue_check.DECODE_TRANSFER + '.pop_transferred')]\n"
+        "prefill = SimpleNamespace(disaggregation_mode=SimpleNamespace(value='prefill'), tp_rank=0)\n"
+        "before = on()\n"
+        "assert hooks.on_scheduler_start('r', prefill) == 'r'\n"  # no TP group: one rank
+        "alone = on()\n"
+        "consensus.groups_of = lambda scheduler: ['a group of two ranks']\n"
+        "hooks.on_scheduler_start('r', SimpleNamespace(disaggregation_mode=SimpleNamespace(value='null')))\n"
+        "not_pd = on()\n"
+        "hooks.on_scheduler_start('r', prefill)\n"
+        "print(before, alone, not_pd, on())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "[False, False] [False, False] [False, False] [True, True]", out.stderr[-3000:]
