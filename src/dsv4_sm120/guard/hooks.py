@@ -45,6 +45,8 @@ def on_scheduler_start(result, scheduler, *args, **kwargs):
     mode = getattr(getattr(scheduler, "disaggregation_mode", None), "value", "null")
     if mode in ("prefill", "decode") and consensus.groups_of(scheduler):
         apply_peer_hooks()
+        logger.info("dsv4-sm120 guard: %s scheduler with TP/CP peers: the agreements before each poll and on the "
+                    "formed batch are on", mode)
     return result
 
 
