@@ -24,8 +24,9 @@ met it first, in its timed level); then ``REPETITIONS`` rounds, visiting every t
 the start) and, on each, the levels ``CONCURRENCY`` ascending on odd rounds, and on even ones both reversed, so that
 each even round is the odd one's exact reverse (ABBA; a shuffle seeded by the round had put the same of two targets
 first in every round of every run); with ``STARTS`` above one, all of it again after the targets were stopped and
-started the other way round (``ALONE``: one target a start, in ABBA order over the starts); a timed level during which the JIT caches gained a file (a server compiled a kernel for
-a batch shape the warm-up had not made) is run once more and left out of the figures (``COMPILE_REPEATS``). Per
+started the other way round (``ALONE``: one target a start, in ABBA order over the starts); a timed level during
+which the JIT caches gained a file (a server compiled a kernel for a batch shape the warm-up had not made) is run
+once more and left out of the figures (``COMPILE_REPEATS``). Per
 target and level: the median of the rounds and their min-max for TTFT p50/p90, ITL p50, output and total throughput
 and the server's cache hit share; then the ratios the bars are about, each as the median of the per-round ratios
 with their min-max; per target its prefill's own pace over its timed levels (``server_side``, from sglang's prefill
@@ -186,7 +187,7 @@ def hook_shares(runs: list[dict]) -> dict:
     idle iterations, so the share errs high."""
     out: dict = {}
     for r in runs:
-        if r["round"] == 0 or r.get("compiled", {}).get("files") or "error" in r["level"] or "hook_s" not in r:
+        if not _counts(r) or "hook_s" not in r:
             continue
         duration = r["level"].get("duration_s")
         if not duration:
@@ -283,12 +284,16 @@ def _level_name(run: dict) -> str:
     return f"{_start_tag(run.get('start', 1))}r{run['round']}:{run['target']}:C{run['concurrency']}"
 
 
+def _counts(run: dict) -> bool:
+    """Whether a level counts in the figures: a round past the warm-up, not compiling, not failed."""
+    return run["round"] > 0 and not run.get("compiled", {}).get("files") and "error" not in run["level"]
+
+
 def _timed_spans(runs: list[dict], target: str) -> dict:
-    """``target``'s timed levels that count, (block, round, concurrency) -> (its start, its wall-clock span): the
-    rounds past the warm-up, not compiling, not failed."""
+    """``target``'s levels that count (:func:`_counts`), (block, round, concurrency) -> (its start, its wall-clock
+    span)."""
     return {(_block(r), r["round"], r["concurrency"]): (r.get("start", 1), tuple(r["span"])) for r in runs
-            if r["target"] == target and r["round"] > 0 and "span" in r and not r.get("compiled", {}).get("files")
-            and "error" not in r["level"]}
+            if r["target"] == target and "span" in r and _counts(r)}
 
 
 def server_side(prefill_logs: dict, runs: list[dict]) -> dict:
@@ -416,8 +421,8 @@ def _one_start(k: int, block: int, names: list[str], models_root: Path, log_dir:
                                      "cpu_s": cpu_use.spent(cpu_before, cpu_use.snapshot(trees))})
                         hooks_after = {role: hook_totals(url) for role, url in processes[name].items()}
                         for field, kind in (("hook_s", "seconds"), ("hook_calls", "calls")):  # what the level added
-                            runs[-1][field] = {role: {k: round(v - hooks_before[role][kind].get(k, 0.0), 6)
-                                                      for k, v in after[kind].items()}
+                            runs[-1][field] = {role: {key: round(v - hooks_before[role][kind].get(key, 0.0), 6)
+                                                      for key, v in after[kind].items()}
                                                for role, after in hooks_after.items()}
                         out["order"].append(_level_name(runs[-1]))
                         if not compiled["files"]:

@@ -42,12 +42,17 @@ def on_scheduler_start(result, scheduler, *args, **kwargs):
     from dsv4_sm120.guard import consensus
 
     warn_if_unpatched(result, scheduler)
-    mode = getattr(getattr(scheduler, "disaggregation_mode", None), "value", "null")
+    mode = _mode(scheduler)
     if mode in ("prefill", "decode") and consensus.groups_of(scheduler):
         apply_peer_hooks()
         logger.info("dsv4-sm120 guard: %s scheduler with TP/CP peers: the agreements before each poll and on the "
                     "formed batch are on", mode)
     return result
+
+
+def _mode(scheduler) -> str:
+    """The scheduler's disaggregation mode: ``prefill``, ``decode`` or ``null``."""
+    return getattr(getattr(scheduler, "disaggregation_mode", None), "value", "null")
 
 
 _peer_hooks_registered = False
@@ -76,7 +81,7 @@ def warn_if_unpatched(result, scheduler, *args, **kwargs):
     from dsv4_sm120 import patching
     from dsv4_sm120.guard import loop_guard
 
-    mode = getattr(getattr(scheduler, "disaggregation_mode", None), "value", "null")
+    mode = _mode(scheduler)
     if mode in ("prefill", "decode") and patching.applied_in_process() is not True:
         logger.warning(
             "\n%s\ndsv4-sm120: the PD collective guard is NOT applied to this sglang (%s scheduler, TP rank %s).\n"
