@@ -269,6 +269,15 @@ def starts_plan(targets: list[str], starts: int, alone: bool) -> list[tuple[int,
     return plan
 
 
+def started_both_ways(start_order: list[list[str]], first: str, second: str) -> bool:
+    """Whether some start (or, alone, some block of starts) brought ``first`` up before ``second`` and another the
+    other way round: a record's ``start_order``."""
+    if start_order and all(len(names) == 1 for names in start_order):  # alone: a block starts each target once
+        n = len({names[0] for names in start_order})
+        start_order = [sum(start_order[i:i + n], []) for i in range(0, len(start_order), n)]
+    return {o.index(first) < o.index(second) for o in start_order if {first, second} <= set(o)} == {True, False}
+
+
 def _block(run: dict) -> int:
     """The block of starts a run's level belongs to (its start, unless each start ran one target alone)."""
     return run.get("block", run.get("start", 1))

@@ -49,19 +49,13 @@ def test_hicache_with_bf16_keys_lowers_ttft_at_high_concurrency(record):
     assert _ratio(record, "hicache_ttft_p50_gain_bf16", "64") > 1.0
 
 
-def _started_both_ways(record: dict, first: str, second: str) -> bool:
-    """Whether some start brought ``first`` up before ``second`` and another the other way round."""
-    orders = {o.index(first) < o.index(second) for o in record.get("start_order") or [] if {first, second} <= set(o)}
-    return orders == {True, False}
-
-
 def test_the_pd_fixes_cost_at_most_one_percent_of_throughput(record):
     # Two PD pairs of one configuration on one H100 came out 5% apart, the one started first (and visited second)
     # the slower
     # (bench/results/gpu_serving/gpu_serving_h100_2026-12-06_lowhighc_pd_floor_7b5135b.json): a run that started
     # the pairs one way only cannot hold a 1% bar.
-    assert _started_both_ways(record, "pd", "pd_fixes_off"), (
-        "the PD pairs were not started both ways round: run with DSV4_GPU_AGENT_STARTS=2")
+    assert agents.started_both_ways(record.get("start_order") or [], "pd", "pd_fixes_off"), (
+        "the PD pairs were not started both ways round: run with DSV4_GPU_AGENT_STARTS=2 (or ALONE=1 and STARTS=4)")
     assert _pace(record, "pd_fixes_on_vs_off_throughput") >= 0.99
 
 

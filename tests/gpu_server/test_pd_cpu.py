@@ -272,6 +272,7 @@ def test_the_agents_set_started_twice_starts_the_pairs_the_other_way_round(stand
     record = json.loads(out.read_text())
     res = record["results"]
     assert res["start_order"] == [["pd", "pd_fixes_off"], ["pd_fixes_off", "pd"]]
+    assert agents.started_both_ways(res["start_order"], "pd", "pd_fixes_off")
     assert sorted({(r["start"], r["round"]) for r in res["runs"]}) == [(1, 0), (1, 1), (2, 0), (2, 1)]
     assert [o for o in res["order"] if o.startswith("s2:r1:")] and not [o for o in res["order"] if o.startswith("s1:")]
     assert not [r for r in res["runs"] if "error" in r["level"] or r["level"]["failed"]], res["runs"][:2]
@@ -295,6 +296,8 @@ def test_alone_each_start_starts_one_pair_in_abba_order_and_a_ratio_pairs_a_bloc
     assert run.main(["agents", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"]) == 0
     res = json.loads(out.read_text())["results"]
     assert res["start_order"] == [["pd"], ["pd_fixes_off"], ["pd_fixes_off"], ["pd"]]
+    assert agents.started_both_ways(res["start_order"], "pd", "pd_fixes_off")
+    assert not agents.started_both_ways([["pd"], ["pd_fixes_off"], ["pd"], ["pd_fixes_off"]], "pd", "pd_fixes_off")
     assert not [r for r in res["runs"] if "error" in r["level"] or r["level"]["failed"]], res["runs"][:2]
     assert res["ratios"]["pd_fixes_on_vs_off_throughput"]["64"]["n"] == 2  # one timed round of each block
     assert {(r["start"], r["block"]) for r in res["runs"]} == {(1, 1), (2, 1), (3, 2), (4, 2)}
