@@ -38,24 +38,32 @@ def _variants() -> dict:
             "after": (lambda: after(1, 1), lambda: timed_after(1, 1))}
 
 
+def measure(calls: int = 200_000, repetitions: int = 10) -> dict:
+    """Per kind (``around``, ``after``): the bare and timed call's median ns and what timing adds per call, the
+    median of the pairs with its min-max."""
+    rows = {}
+    for kind, (bare, timed) in _variants().items():
+        per = {"bare": [], "timed": []}
+        for rep in range(repetitions):
+            for name, fn in (("bare", bare), ("timed", timed)) if rep % 2 == 0 else (("timed", timed), ("bare", bare)):
+                per[name].append(timeit.timeit(fn, number=calls) / calls * 1e9)
+        added = [t - b for t, b in zip(per["timed"], per["bare"])]
+        rows[kind] = {"bare_ns": round(statistics.median(per["bare"]), 1),
+                      "timed_ns": round(statistics.median(per["timed"]), 1),
+                      "added_ns": {"median": round(statistics.median(added), 1), "min": round(min(added), 1),
+                                   "max": round(max(added), 1), "n": len(added)}}
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=200_000, help="calls per repetition")
     ap.add_argument("--repetitions", type=int, default=10, help="bare/timed pairs, each pair's order alternating")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    rows = {}
-    for kind, (bare, timed) in _variants().items():
-        per = {"bare": [], "timed": []}
-        for rep in range(args.repetitions):
-            for name, fn in (("bare", bare), ("timed", timed)) if rep % 2 == 0 else (("timed", timed), ("bare", bare)):
-                per[name].append(timeit.timeit(fn, number=args.calls) / args.calls * 1e9)
-        added = [t - b for t, b in zip(per["timed"], per["bare"])]
-        rows[kind] = {"bare_ns": round(statistics.median(per["bare"]), 1),
-                      "timed_ns": round(statistics.median(per["timed"]), 1),
-                      "added_ns": {"median": round(statistics.median(added), 1), "min": round(min(added), 1),
-                                   "max": round(max(added), 1), "n": len(added)}}
-        print(kind, json.dumps(rows[kind]), flush=True)
+    rows = measure(args.calls, args.repetitions)
+    for kind, row in rows.items():
+        print(kind, json.dumps(row), flush=True)
     out = {"date": run_record.now_utc(), "commit": run_record.commit(),
            "device": f"CPU only, {os.cpu_count()} cores, Python {sys.version.split()[0]}",
            "method": f"timeit of {args.calls} calls per repetition; {args.repetitions} bare/timed pairs per kind, "

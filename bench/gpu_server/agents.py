@@ -46,6 +46,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench import hook_time_cpu
 from bench.airgap import jit_cache
 from bench.gpu_server import cpu_use, hicache, pd, step_log, traffic
 from bench.gpu_server.servers import ServerSpec, launch_line, start, wait_healthy
@@ -176,15 +177,16 @@ def hook_totals(url: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def hook_shares(runs: list[dict]) -> dict:
+def hook_shares(runs: list[dict], added_ns: float | None = None) -> dict:
     """Per target, level and process: each fix's seconds on its scheduler loop's thread (``<fix>:main``) over the
     level's duration, the median over the timed clean rounds with its min-max. A level that took ``T`` with a
     fix's ``X`` seconds on the loop's thread would take at least ``T - X`` without it, so the share bounds what
     the fix takes from throughput; the sum over the fixes a comparison turns off is under ``fixes``, and their
-    calls a second under ``fixes_calls_per_s`` (times what wrapping adds per call, ``bench/hook_time_cpu.py``:
-    the price of the timing itself). The seconds are those between two scrapes, which also hold the loop's time
-    before the level's clients start and after they end (and up to a second the counters lag), and the loop's
-    idle iterations, so the share errs high."""
+    calls a second under ``fixes_calls_per_s``; with ``added_ns``, what timing adds to a call on this host
+    (:func:`bench.hook_time_cpu.measure`, not in the counted seconds), ``fixes_bound`` is the share plus those
+    calls' timing: the fixes' whole price on the loop's thread, timing included. The seconds are those between
+    two scrapes, which also hold the loop's time before the level's clients start and after they end (and up to a
+    second the counters lag), and the loop's idle iterations, so the share errs high."""
     out: dict = {}
     for r in runs:
         if not _counts(r) or "hook_s" not in r:
@@ -197,11 +199,14 @@ def hook_shares(runs: list[dict]) -> dict:
             for key, seconds in by_key.items():
                 if key.endswith(":main"):
                     cell.setdefault(key.removesuffix(":main"), []).append(seconds / duration)
-            cell.setdefault("fixes", []).append(sum(by_key.get(f"{f}:main", 0.0) for f in FIXES_TURNED_OFF) / duration)
+            share = sum(by_key.get(f"{f}:main", 0.0) for f in FIXES_TURNED_OFF) / duration
+            cell.setdefault("fixes", []).append(share)
             if "hook_calls" in r:
                 calls = r["hook_calls"].get(role, {})
-                cell.setdefault("fixes_calls_per_s", []).append(
-                    sum(calls.get(f"{f}:main", 0.0) for f in FIXES_TURNED_OFF) / duration)
+                per_s = sum(calls.get(f"{f}:main", 0.0) for f in FIXES_TURNED_OFF) / duration
+                cell.setdefault("fixes_calls_per_s", []).append(per_s)
+                if added_ns is not None:
+                    cell.setdefault("fixes_bound", []).append(share + per_s * added_ns * 1e-9)
     return {t: {c: {role: {fix: _spread(v) for fix, v in cell.items()} for role, cell in by_c.items()}
                 for c, by_c in by_t.items()} for t, by_t in out.items()}
 
@@ -362,7 +367,9 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
                            "starts": STARTS, "alone": ALONE, "device_pool_tokens": POOL, "targets": list(TARGETS)}
         out.update(summarize(runs))  # over the levels that ran, also when the run was stopped
         out["cpu_cores_busy"] = cpu_use.cores(runs)
-        out["hook_time"] = hook_shares(runs)
+        # what timing adds to a hook call on this host, the dearer kind's (AROUND) for every call
+        out["hook_wrapper_ns"] = hook_time_cpu.measure(calls=50_000, repetitions=6)
+        out["hook_time"] = hook_shares(runs, out["hook_wrapper_ns"]["around"]["added_ns"]["median"])
         out["server_side"] = server_side(logs, runs)
 
 

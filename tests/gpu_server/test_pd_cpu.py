@@ -253,6 +253,10 @@ def test_the_agents_sets_pd_pairs_run_alone_started_in_the_order_named(standins,
         assert 0.002 <= res["hook_time"]["pd"]["64"][role]["fixes"]["median"] < 0.05, res["hook_time"]
         assert 2000 <= res["hook_time"]["pd"]["64"][role]["fixes_calls_per_s"]["median"] < 50000, res["hook_time"]
         assert res["hook_time"]["pd_fixes_off"]["64"][role]["fixes"]["median"] == 0.0, res["hook_time"]
+        # the bound adds what timing costs those calls on this host, measured in the run
+        cell, added = res["hook_time"]["pd"]["64"][role], res["hook_wrapper_ns"]["around"]["added_ns"]["median"]
+        assert added > 0 and cell["fixes_bound"]["median"] == pytest.approx(
+            cell["fixes"]["median"] + cell["fixes_calls_per_s"]["median"] * added * 1e-9, rel=0.2), cell
     assert not set(record["servers"]) & set(agents.SINGLES)
     assert res["start_order"] == [["pd_fixes_off", "pd"]]
     trees = {f"{t}:{role}" for t in ("pd", "pd_fixes_off") for role in ("prefill", "decode", "router")}
