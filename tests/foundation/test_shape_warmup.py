@@ -56,7 +56,7 @@ PROBE = textwrap.dedent(
 
     out = {}
     for case, mode, told, pool, stuck in (("null", "null", True, None, None), ("prefill", "prefill", True, None, None),
-                                          ("limit_unknown", "null", False, None, None),
+                                          ("decode", "decode", True, None, None), ("limit_unknown", "null", False, None, None),
                                           ("small_pool", "null", True, 6000, None), ("stuck", "null", True, None, 4096)):
         http_server._global_state = types.SimpleNamespace(scheduler_info={"max_total_num_tokens": pool}) if pool else None
         tm = RecordingTokenizerManager(told, stuck)
@@ -89,8 +89,10 @@ def test_warmups_dsv4_shapes_serves_every_shape_before_the_server_is_up():
 
 
 def test_a_pd_server_runs_no_warmup_and_says_why():
-    paired = _probe("dsv4_shapes")["prefill"]
-    assert paired["seen"] == [] and any("does not run on a PD prefill server" in w for w in paired["warned"])
+    out = _probe("dsv4_shapes")
+    for mode, peer in (("prefill", "decode"), ("decode", "prefill")):
+        said = f"does not run on a PD {mode} server: its requests would wait for a {peer} peer"
+        assert out[mode]["seen"] == [] and any(said in w for w in out[mode]["warned"]), out[mode]["warned"]
 
 
 def test_the_longest_prompt_takes_at_most_half_the_pool():

@@ -69,9 +69,10 @@ async def dsv4_shapes(disaggregation_mode: str, tokenizer_manager) -> None:
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     if disaggregation_mode != "null":
-        logger.warning("dsv4-sm120: warmup %s does not run on a PD %s server: its requests would wait for a decode "
+        peer = "decode" if disaggregation_mode == "prefill" else "prefill"
+        logger.warning("dsv4-sm120: warmup %s does not run on a PD %s server: its requests would wait for a %s "
                        "peer a warmup does not have; warm the pair through the router once both are up", NAME,
-                       disaggregation_mode)
+                       disaggregation_mode, peer)
         return
     args = tokenizer_manager.server_args
     groups = plan(tokenizer_manager.context_len, args.chunked_prefill_size, args.max_running_requests,
