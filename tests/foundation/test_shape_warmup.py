@@ -56,7 +56,8 @@ PROBE = textwrap.dedent(
 
     out = {}
     for case, mode, told, pool, stuck in (("null", "null", True, None, None), ("prefill", "prefill", True, None, None),
-                                          ("decode", "decode", True, None, None), ("limit_unknown", "null", False, None, None),
+                                          ("decode", "decode", True, None, None),
+                                          ("limit_unknown", "null", False, None, None),
                                           ("small_pool", "null", True, 6000, None), ("stuck", "null", True, None, 4096)):
         http_server._global_state = types.SimpleNamespace(scheduler_info={"max_total_num_tokens": pool}) if pool else None
         tm = RecordingTokenizerManager(told, stuck)

@@ -3,10 +3,10 @@
 ``flash12`` servers (HiCache off; HiCache with bf16 keys, twice; the same with the checksum; HiCache with fp8
 keys) and two PD pairs (fixes on, off) under the agent workload at C=4 and C=64, in shuffled rounds. Throughput
 bars are held on the prefills' speed on the same batch over the timed levels (sglang's prefill log lines,
-``step_log.matched_ratio``), the PD fixes' also on their seconds on the scheduler loops (``hook_time``), TTFT bars
-on the median of the per-round client ratios. On a CUDA host with the pin
-this runs the set (two starts, the second the other way round: about half an hour); ``DSV4_GPU_AGENTS_JSON=<record>``
-asserts on a record a run wrote instead. Selected with ``-m gpu``; without a CUDA device and no record it fails.
+``step_log.matched_ratio``), the PD fixes' also on their seconds on the scheduler loops (``hook_time``), TTFT
+bars on the median of the per-round client ratios. On a CUDA host with the pin this runs the set (two starts, the
+second the other way round: about half an hour); ``DSV4_GPU_AGENTS_JSON=<record>`` asserts on a record a run
+wrote instead. Selected with ``-m gpu``; without a CUDA device and no record it fails.
 """
 
 from __future__ import annotations
