@@ -44,6 +44,14 @@ SPECS: dict[str, tuple] = {
     "nixl_health_problems": ("gauge", "Reasons the NIXL prefill side cannot serve; /health fails while > 0", (), "livesum"),
     "nixl_rooms_open": ("gauge", "Bootstrap rooms the NIXL manager tracks (request_status entries)", ("mode",), "livesum"),
     "nixl_transfer_infos_open": ("gauge", "Rooms with decode transfer info held by the NIXL prefill manager", (), "livesum"),
+    # PD abort safety: no decode page back to the allocator while a NIXL write may still land on it
+    "nixl_abort_acks_withheld_total": ("counter", "Abort acknowledgements the NIXL prefill held back while the room still had writes in flight", ()),
+    "nixl_abort_acks_sent_after_drain_total": ("counter", "Abort acknowledgements sent once a held-back room drained", ()),
+    "nixl_rooms_parked_total": ("counter", "Rooms whose NIXL handles were still running when the transfer worker gave up waiting", ()),
+    "pd_quarantines_total": ("counter", "Aborted rooms whose decode pages were kept out of the allocator past the deferred-release timeout", ()),
+    "pd_quarantine_released_total": ("counter", "Quarantined rooms released, by why (drained: the prefill acknowledged; prefill_lost)", ("why",)),
+    "pd_rooms_quarantined": ("gauge", "Aborted rooms whose decode pages are quarantined now", (), "livesum"),
+    "pd_tokens_quarantined": ("gauge", "KV tokens the quarantined rooms keep out of the allocator now", (), "livesum"),
     # index-K integrity (HiCache and PD)
     "index_k_pages_recorded_total": ("counter", "bf16 index-K page rows checksummed at HiCache backup", ()),
     "index_k_page_checks_total": ("counter", "bf16 index-K page rows HiCache loaded, checked where the C4 indexer read them", ()),

@@ -19,6 +19,7 @@ GUARD = "src/dsv4_sm120/guard/"
 INDEX_K = "src/dsv4_sm120/index_k/"
 LEDGER = "src/dsv4_sm120/kernels/page_ledger.py"
 FRAMES = "tests/disagg/test_disagg_frames.py::"
+ABORT_SAFETY = "tests/disagg/test_disagg_abort_safety.py::"
 LIVENESS = "tests/disagg/test_disagg_liveness.py::test_stuck_transfer_worker_then_dead_bootstrap_thread_fail_health"
 HEALTH_GATE = "tests/disagg/test_disagg_health_gate.py::test_busy_scheduler_does_not_vouch_for_a_dead_nixl_thread"
 LOOPS = "tests/guard/test_overlap_loops.py::"
@@ -353,6 +354,22 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("liveness-dead-bootstrap-unseen", "fix 3: a dead bootstrap thread makes health fail",
       (E(DISAGG + "liveness.py", "if boot.thread is None or not boot.thread.is_alive():", "if False:"),),
       (HEALTH_GATE,)),
+    M("decode-releases-at-the-timeout", "PD abort safety: an aborted room's decode pages stay quarantined past the release timeout",
+      (E(DISAGG + "decode_hold.py", "        elif now >= deadline and not queue._is_host_destination(decode_req)",
+         "        elif False and not queue._is_host_destination(decode_req)"),),
+      (ABORT_SAFETY + "test_an_aborted_rooms_pages_stay_held_past_the_release_timeout_until_its_late_write_landed",)),
+    M("abort-acked-mid-write", "PD abort safety: an abort is acknowledged only once no write of the room can land",
+      (E(DISAGG + "write_ledger.py", "    if ledger is not None and ledger.withhold(room, target):",
+         "    if False:"),),
+      (ABORT_SAFETY + "test_upstreams_reopen_of_a_room_mid_write_does_not_let_an_abort_be_acknowledged_early",)),
+    M("parked-handles-never-polled", "PD abort safety: a room whose handles outlived a failed sibling is acknowledged once they settle",
+      (E(DISAGG + "write_ledger.py", "        if not self.parked:\n            return\n        with self.lock:\n            rooms",
+         "        if True:\n            return\n        with self.lock:\n            rooms"),),
+      (ABORT_SAFETY + "test_a_room_whose_handles_outlived_a_failed_sibling_is_acknowledged_once_they_settle",)),
+    M("aborted-room-dropped-mid-write", "PD abort safety: the tombstone's forget never drops a room with a write in flight",
+      (E(DISAGG + "bootstrap.py", "        if room in self.senders or self._writing(room):\n            return\n",
+         "        if room in self.senders:\n            return\n"),),
+      (ABORT_SAFETY + "test_an_aborted_room_with_a_write_in_flight_stays_in_the_prefills_tables_until_it_drained",)),
     # --- fix 4: collective guard -----------------------------------------------------------------
     M("switch-guard-loop-ignored", "switch DSV4_SM120_COLLECTIVE_GUARD=0: the patched loop is upstream's",
       (E(GUARD + "loop_guard.py", "self.enabled = settings.load().collective_guard", "self.enabled = True"),),

@@ -32,7 +32,7 @@ import time
 import weakref
 
 from dsv4_sm120 import metrics
-from dsv4_sm120.disagg import tell_decode
+from dsv4_sm120.disagg import tell_decode, write_ledger
 from dsv4_sm120.disagg.rejects import FrameRejected, RejectLog
 from dsv4_sm120.disagg.tombstones import Tombstones
 
@@ -126,6 +126,9 @@ class HardenedBootstrap:
                 if self.last_beat - last_sweep > self.sweep_every_s:
                     last_sweep = self.last_beat
                     self.sweep_unheld_rooms()
+                ledger = write_ledger.ledger_of(self.mgr)
+                if ledger is not None:
+                    ledger.poll_parked()
                 if not sock.poll(POLL_MS, zmq.POLLIN):
                     continue
                 frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -228,17 +231,23 @@ class HardenedBootstrap:
         rooms = set(mgr.request_status) | set(mgr.transfer_infos)
         for gone in set(self.unheld_since) - rooms:
             self.unheld_since.pop(gone, None)
-        in_flight = getattr(mgr, "_staging_outstanding", {})  # chunks still moving through staging buffers
         for room in rooms:
             if room in self.tombstones:
                 self._forget_if_unheld(room)
-            elif room in self.senders or in_flight.get(room, 0) > 0:
+            elif room in self.senders or self._writing(room):
                 self.unheld_since.pop(room, None)
             else:
                 since = self.unheld_since.setdefault(room, now)
                 failed = mgr.request_status.get(room) == KVPoll.Failed
                 if now - since >= (SWEEP_EVERY_S if failed else self.unclaimed_after_s):
                     self._release_orphan(room, "failed" if failed else "unclaimed")
+
+    def _writing(self, room: int) -> bool:
+        """Whether a write of ``room`` may still be queued or in flight: upstream's chunk count, or the ledger's."""
+        if getattr(self.mgr, "_staging_outstanding", {}).get(room, 0) > 0:
+            return True
+        ledger = write_ledger.ledger_of(self.mgr)
+        return ledger is not None and ledger.live(room)
 
     def _release_orphan(self, room: int, reason: str) -> None:
         mgr = self.mgr
@@ -258,9 +267,11 @@ class HardenedBootstrap:
         reached (or already left) the scheduler, there is no sender: the room sat in
         ``request_status`` and ``transfer_infos`` for good (seen on a real PD pair: 30
         rooms after three 80-session storms). The tombstone keeps the room dead: a
-        sender opened for it later starts Failed.
+        sender opened for it later starts Failed. A room with a write still queued or
+        in flight is left to a later sweep: its tables are what the transfer worker
+        and the abort acknowledgement read.
         """
-        if room in self.senders:
+        if room in self.senders or self._writing(room):
             return
         if self._drop(room):
             metrics.inc("nixl_aborted_rooms_released_total")

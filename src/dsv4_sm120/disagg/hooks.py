@@ -10,6 +10,12 @@ sglang until upstream calls a hook.
 * ``NixlKVManager.transfer_worker`` (AROUND): hand the worker a
   :class:`~dsv4_sm120.disagg.liveness.ProgressQueue` so a stuck worker is seen
   (observation only: it changes nothing a worker does).
+* ``NixlKVManager._await_handles``, ``_send_abort_ack`` (AROUND), ``register_deferred_ack_target``,
+  ``poison_deferred_ack_room`` (AFTER): an abort is acknowledged only once no write of the room can still
+  land (:mod:`dsv4_sm120.disagg.write_ledger`).
+* ``DecodeTransferQueue.resolve_deferred_releases`` (AROUND), ``CommonKVManager._handle_node_failure``
+  (AFTER): a decode keeps an aborted room's pages quarantined past the release timeout until the prefill
+  acknowledges or is lost (:mod:`dsv4_sm120.disagg.decode_hold`).
 * ``NixlKVManager.update_status`` (AROUND): a sender opened for a room the decode
   already aborted starts Failed instead of waiting 300 s in Bootstrapping.
 * ``NixlKVSender.__init__`` (AFTER): the hardened thread knows which rooms a live
@@ -24,6 +30,8 @@ from __future__ import annotations
 import logging
 import time
 
+from dsv4_sm120 import metrics
+from dsv4_sm120.disagg import decode_hold, write_ledger
 from dsv4_sm120.hooks import hook
 from dsv4_sm120.settings import Settings, load
 
@@ -58,16 +66,19 @@ def start_bootstrap_thread(original, mgr):
 
 
 def watch_transfer_worker(original, mgr, queue, staging_buffer=None, worker_index=0):
-    """AROUND ``transfer_worker``: let liveness see each dequeue of this worker.
+    """AROUND ``transfer_worker``: let liveness and the write ledger see each dequeue of this worker.
 
     The workers start before the bootstrap thread, so whether the manager is
     hardened is not known yet; watching is pure observation, and liveness only
-    judges managers whose bootstrap thread is the hardened one.
+    judges managers whose bootstrap thread is the hardened one. The ledger
+    (:mod:`.write_ledger`) follows the switch as the manager is built.
     """
     from dsv4_sm120.disagg import liveness
 
     progress = liveness.ProgressQueue(queue)
     liveness.watch_for(mgr).add_worker(worker_index, progress)
+    if hardening_on():  # a pin-behaviour manager built beside a hardened one keeps upstream's acknowledgements
+        progress = write_ledger.LedgerQueue(progress, write_ledger.ensure(mgr))
     return original(mgr, progress, staging_buffer, worker_index)
 
 
@@ -131,6 +142,13 @@ def register(cfg: Settings) -> None:
     hook(f"{NIXL_MANAGER}._start_bootstrap_thread", start_bootstrap_thread)
     hook(f"{NIXL_MANAGER}.transfer_worker", watch_transfer_worker)
     hook(f"{NIXL_MANAGER}.update_status", keep_aborted_rooms_dead)
+    hook(f"{NIXL_MANAGER}._await_handles", write_ledger.await_handles)
+    hook(f"{NIXL_MANAGER}._send_abort_ack", write_ledger.send_abort_ack)
+    hook(f"{NIXL_MANAGER}.register_deferred_ack_target", write_ledger.register_ack_target)
+    hook(f"{NIXL_MANAGER}.poison_deferred_ack_room", write_ledger.poison_room)
+    hook(decode_hold.RESOLVE, decode_hold.hold_until_drained)
+    hook(decode_hold.NODE_FAILURE, decode_hold.prefill_lost)
+    metrics.add_sampler(decode_hold.sample_gauges)
     hook(NIXL_SENDER_INIT, track_sender)
     hook(f"{SCHEDULER}.handle_generate_request", gate_health_request)
     hook(f"{SCHEDULER}.maybe_send_health_check_signal", gate_health_signal)

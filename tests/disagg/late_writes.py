@@ -1,0 +1,187 @@
+"""CPU stand-ins for the PD abort-safety tests: a slow prefill send, the decode's hold list, and an ACK listener.
+
+Everything NIXL-side is the pin's real code over the loopback pair (:mod:`dsv4_sm120.instruments.nixl_loopback`).
+What cannot run on a CPU without a scheduler is played here, and only that:
+
+- :func:`slow_send`: the prefill's transfer worker posts a room's KV write ``delay_s`` late (a busy or
+  stalled transport), the fault that lets a write land after its room was aborted;
+- :class:`HoldList`: upstream's own ``DecodeTransferQueue`` (``_defer_release`` and
+  ``resolve_deferred_releases`` unchanged), built without a scheduler: releasing a request hands its
+  destination pages to a callback instead of the KV allocator, and the TP reduction runs over a real
+  one-rank gloo group;
+- :class:`AckListener`: a decode endpoint of the test's own, where the prefill's ABORT_ACKs for an ABORT
+  the test sent arrive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@contextlib.contextmanager
+def slow_send(mgr, delay_s: float, calls: int = 1):
+    """The next ``calls`` KV sends of prefill manager ``mgr`` are posted ``delay_s`` late; yields an event set
+    when the first delayed send has begun (the worker holds the chunk and has not posted it yet)."""
+    original = mgr.send_kvcache
+    began = threading.Event()
+    left = [calls]
+
+    def delayed(*args, **kwargs):
+        if left[0] > 0:
+            left[0] -= 1
+            began.set()
+            time.sleep(delay_s)
+        return original(*args, **kwargs)
+
+    mgr.send_kvcache = delayed
+    try:
+        yield began
+    finally:
+        mgr.send_kvcache = original
+
+
+_gloo = threading.Lock()
+
+
+def one_rank_gloo_group():
+    """A real gloo process group of this process alone (upstream's TP CPU group at TP=1)."""
+    import torch.distributed as dist
+
+    from dsv4_sm120.instruments.nixl_loopback import free_port
+
+    with _gloo:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        return dist.new_group([0], backend="gloo")
+
+
+@dataclass
+class FakeReq:
+    """The fields of ``Req`` the hold list reads."""
+
+    rid: str
+    bootstrap_room: int
+    kv_allocated_len: int
+
+
+class _Slots:
+    def clear_slot(self, idx):
+        pass
+
+    def free(self, idx):
+        pass
+
+
+class _Scheduler:
+    class metrics_reporter:  # noqa: N801 - the attribute upstream reads
+        enable_metrics = False
+
+
+class HoldList:
+    """Upstream's ``DecodeTransferQueue`` deferred-release path; ``released(decode_req)`` runs where the pages
+    would go back to the allocator."""
+
+    def __init__(self, timeout_s: float, released):
+        from sglang.srt.disaggregation.decode import DecodeTransferQueue
+
+        queue = object.__new__(DecodeTransferQueue)
+        queue._deferred_releases = []
+        queue.enable_deferred_kv_release = True
+        queue.deferred_kv_release_timeout = timeout_s
+        queue.gloo_group = one_rank_gloo_group()
+        queue.enable_host_receive = False
+        queue.enable_staging = False
+        queue.metadata_buffers = queue.req_to_metadata_buffer_idx_allocator = _Slots()
+        queue.scheduler = _Scheduler()
+        queue._release_request = released
+        self.queue = queue
+
+    def hold(self, session):
+        """The decode aborted ``session`` mid-transfer: its request goes into the hold list, as upstream's
+        failure path does for a room it notified."""
+        from sglang.srt.disaggregation.decode import DecodeRequest
+
+        req = FakeReq(f"req-{session.room}", session.room, 256 * len(session.dst))
+        decode_req = DecodeRequest(req=req, kv_receiver=session.receiver, metadata_buffer_index=0)
+        self.queue._defer_release(decode_req)
+        return decode_req
+
+    def resolve(self):
+        self.queue.resolve_deferred_releases()
+
+    def held(self) -> int:
+        return len(self.queue._deferred_releases)
+
+
+class AckListener:
+    """A decode endpoint of the test's own: the ABORT it sends names this socket, the prefill's ACK comes here."""
+
+    def __init__(self):
+        import zmq
+
+        from dsv4_sm120.instruments.nixl_loopback import free_port
+
+        self.port = free_port()
+        self._sock = zmq.Context.instance().socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(f"tcp://127.0.0.1:{self.port}")
+        self.acks: list[tuple[float, list[bytes]]] = []
+
+    def abort_frame(self, room: int, generation: int = 1) -> list[bytes]:
+        from sglang.srt.disaggregation.common.conn import AbortNotification
+
+        return AbortNotification(room=room, decode_ip="127.0.0.1", decode_port=self.port,
+                                 generation=generation).to_zmq()
+
+    def drain(self) -> int:
+        import zmq
+
+        while self._sock.poll(0, zmq.POLLIN):
+            self.acks.append((time.monotonic(), self._sock.recv_multipart()))
+        return len(self.acks)
+
+    def close(self):
+        self._sock.close(0)
+
+
+def landed(pd, s) -> bool:
+    """Whether ``s``'s prefill pages are now what its decode pages hold (its write has landed)."""
+    return bool(pd.verify(s))
+
+
+def stamp(pd, pages: np.ndarray, value: int) -> None:
+    """A new owner of ``pages`` writes its own bytes into them (its transfer, or its decode steps)."""
+    for layer in pd.dst_kv:
+        layer[pages] = value
+
+
+def stamped(pd, pages: np.ndarray, value: int) -> bool:
+    return all(bool((layer[pages] == value).all()) for layer in pd.dst_kv)
+
+
+@contextlib.contextmanager
+def stuck_handles(mgr, seconds: float):
+    """For ``seconds``, the prefill's NIXL handles read as a broken batch: the first one asked about ERR, every
+    other one still running (PROC); then their real states. Yields the handles it answered for."""
+    agent = mgr.agent
+    original = agent.check_xfer_state
+    until = time.monotonic() + seconds
+    seen: list = []
+
+    def state(handle):
+        if time.monotonic() >= until:
+            return original(handle)
+        if not any(h is handle for h in seen):
+            seen.append(handle)
+        return "ERR" if seen[0] is handle else "PROC"
+
+    agent.check_xfer_state = state
+    try:
+        yield seen
+    finally:
+        agent.check_xfer_state = original
