@@ -52,6 +52,10 @@ SPECS: dict[str, tuple] = {
     "pd_quarantine_released_total": ("counter", "Quarantined rooms released, by why (drained: the prefill acknowledged; prefill_lost)", ("why",)),
     "pd_rooms_quarantined": ("gauge", "Aborted rooms whose decode pages are quarantined now", (), "livesum"),
     "pd_tokens_quarantined": ("gauge", "KV tokens the quarantined rooms keep out of the allocator now", (), "livesum"),
+    "pd_pages_watched_total": ("counter", "Decode pages received over NIXL whose checksum was taken when the receive completed (per watched buffer)", ()),
+    "pd_page_rereads_total": ("counter", "Received page rows re-read and compared at their request's decode forwards", ()),
+    "pd_late_writes_total": ("counter", "Received pages found changed while their request decoded (a late NIXL write), once per request and page", ()),
+    "pd_late_write_requests_failed_total": ("counter", "Requests failed because a late NIXL write changed their received KV", ()),
     # index-K integrity (HiCache and PD)
     "index_k_pages_recorded_total": ("counter", "bf16 index-K page rows checksummed at HiCache backup", ()),
     "index_k_page_checks_total": ("counter", "bf16 index-K page rows HiCache loaded, checked where the C4 indexer read them", ()),

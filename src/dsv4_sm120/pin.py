@@ -173,6 +173,12 @@ MANIFEST: tuple[Touch, ...] = (
         "disagg",
         "A prefill the decode's heartbeat lost can no longer write: the rooms it quarantined are released.",
     ),
+    Touch(
+        "sglang.srt.managers.scheduler.Scheduler.run_batch",
+        "around",
+        "index_k",
+        "Integrity mode on a decode: re-reads the due requests' received pages before each decode forward (late writes).",
+    ),
     Touch("sglang.srt.environ.envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "calls", "disagg",
           "How long a decode waits for a room: after it and the bootstrap timeout, a room no request claimed is released."),
     Touch("sglang.srt.disaggregation.common.conn.CommonKVManager._room_notify_targets", "calls", "disagg",

@@ -369,3 +369,65 @@ def test_unconfigured_manager_follows_the_registered_switch_not_the_environment(
         pool_harness.switches(monkeypatch, index_k_checksum=on)
         monkeypatch.setenv(pd_integrity.SWITCH, "0" if on else "1")
         assert pd_integrity.state_of(Manager()).enabled is on
+
+
+def _decode_forward(req):
+    """A decode batch of ``req`` as ``Scheduler.run_batch`` receives it (the fields the late-write hook reads)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(reqs=[req], forward_mode=SimpleNamespace(is_decode=lambda: True))
+
+
+def _forwards(batch, n: int) -> None:
+    from types import SimpleNamespace
+
+    from dsv4_sm120.index_k import pd_late_writes
+
+    for _ in range(n):
+        pd_late_writes.run_batch(lambda scheduler, batch: None, SimpleNamespace(attn_tp_size=1), batch)
+
+
+def test_a_late_nixl_write_into_received_pages_fails_the_request_at_its_next_reread(pd, sides):
+    """Another room's NIXL write lands in pages a request received and is decoding on (what an aborted
+    room's late write does once its pages were handed out again): the request's next re-read finds each
+    changed page, counts it once, and fails the request with HTTP 500 naming the room and the switch. Before
+    that write, the same re-reads find nothing; a write into the request's partial last page (its own
+    decode steps append there) is not a late write."""
+    from http import HTTPStatus
+
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    from dsv4_sm120.index_k import pd_late_writes
+    from tests.disagg.late_writes import FakeReq
+
+    sides(True, True)
+    s = pd.open(n_pages=6)
+    _transfer(pd, s)
+    assert s.receiver.poll() == KVPoll.Success  # the baseline of its 5 full pages is taken here
+    req = FakeReq(f"req-{s.room}", s.room, 0)
+    req.to_finish = None
+    req.finished = lambda: req.to_finish is not None
+    batch = _decode_forward(req)
+    before = dict(pd_late_writes.COUNTERS)
+    _forwards(batch, 2 * pd_late_writes.EVERY + 1)  # three re-reads (forwards 0, 16, 32), two read back
+    clean = {k: pd_late_writes.COUNTERS[k] - before[k] for k in before}
+    assert clean["pd_page_rereads_total"] == 3 * 5 * (KV_LAYERS + INDEX_K_LAYERS) and clean["pd_late_writes_total"] == 0
+
+    for layer in pd.dst_kv:
+        layer[int(s.dst[-1])] ^= 0x01  # the partial last page: the request's own appends
+    late = pd.open(n_pages=3)
+    own = late.dst
+    late.dst = s.dst[1:4].copy()  # the late room's destination pages are three of the request's full pages
+    _transfer(pd, late)
+    _forwards(batch, pd_late_writes.EVERY + 1)  # the next re-read, and the forward that reads it back
+    found = {k: pd_late_writes.COUNTERS[k] - before[k] for k in before}
+    assert found["pd_late_writes_total"] == 3, found
+    assert found["pd_late_write_requests_failed_total"] == 1
+    assert isinstance(req.to_finish, FINISH_ABORT) and req.to_finish.status_code == HTTPStatus.INTERNAL_SERVER_ERROR
+    assert f"room {s.room}" in req.to_finish.message and "DSV4_SM120_INDEX_K_CHECKSUM=1" in req.to_finish.message
+    _forwards(batch, pd_late_writes.EVERY)  # the request is finished: no re-read, nothing counted again
+    assert pd_late_writes.COUNTERS["pd_late_writes_total"] - before["pd_late_writes_total"] == 3
+    late.dst = own  # the loopback's books get the late room's own pages back, not the request's twice
+    _finish(pd, late)
+    _finish(pd, s)

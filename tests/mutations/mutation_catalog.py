@@ -288,6 +288,10 @@ MUTATIONS: tuple[Mutation, ...] = (
          "        if received.got.value() is None:\n"),),
       ("tests/index_k/test_pd_integrity.py::test_the_send_and_the_first_received_poll_only_queue_their_sums",
        "tests/index_k/test_pd_integrity.py::test_a_room_answers_transferring_until_its_received_sums_land_then_its_verdict")),
+    M("late-write-reread-blind", "PD abort safety: a received page that changes while its request decodes fails the request",
+      (E(INDEX_K + "pd_late_writes.py", "    changed = _sums(rows, index) != baseline\n",
+         "    changed = _sums(rows, index) != _sums(rows, index)\n"),),
+      ("tests/index_k/test_pd_integrity.py::test_a_late_nixl_write_into_received_pages_fails_the_request_at_its_next_reread",)),
     # --- fix 3: NIXL bootstrap hardening ---------------------------------------------------------
     M("switch-nixl-hardening-ignored", "switch DSV4_SM120_NIXL_HARDENING=0: no disagg hook is registered",
       (E(DISAGG + "hooks.py", "    if not cfg.nixl_hardening:\n        return\n", "    if False:\n        return\n"),),

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dsv4_sm120.index_k import gate, layout
+from dsv4_sm120.index_k import gate, layout, pd_late_writes
 
 NIXL = "sglang.srt.disaggregation.nixl.conn"
 ADD_TRANSFER = f"{NIXL}.NixlKVManager.add_transfer_request"
@@ -484,6 +484,12 @@ def poll(original, receiver):
         logger.exception("PD index-K integrity: verifying room %s raised", receiver.bootstrap_room)
         return state._fail(receiver, f"its bf16 index-K pages could not be verified ({exc!r})")
     setattr(receiver, _CHECKED, verdict != KVPoll.Transferring)
+    if verdict == KVPoll.Success:
+        try:
+            pd_late_writes.record(receiver, state)
+        except Exception:
+            logger.exception("PD late-write check: the baseline of room %s could not be taken; it is not watched",
+                             receiver.bootstrap_room)
     return verdict
 
 
@@ -493,11 +499,13 @@ HOOKS = (
     (PARSE_STATUS, parse_kv_status_message),
     (SEND_METADATA, send_metadata),
     (POLL, poll),
+    (pd_late_writes.RUN_BATCH, pd_late_writes.run_batch),
 )
 
 
 def register_hooks() -> None:
-    """Register the five PD hooks (the index_k area does so only when the switch is on)."""
+    """Register the PD hooks, the decode's late-write re-reads among them (the index_k area does so only when
+    the switch is on)."""
     from dsv4_sm120.hooks import hook
 
     for target, fn in HOOKS:
