@@ -24,14 +24,14 @@ import time
 from pathlib import Path
 
 from bench import run_record
-from bench.gpu_server import agents, hicache, incident, pd, scenarios
+from bench.gpu_server import abort_safety, agents, hicache, incident, pd, scenarios
 from bench.gpu_server.servers import Started, launch_line, log_tail, start, wait_healthy
 
 SETS = {"serve": (scenarios.serve_specs, scenarios.run_serve), "cost": (scenarios.cost_specs, scenarios.run_cost),
         "hicache": (hicache.specs, hicache.run)}
 # Sets that start their own processes: run(models_root, log_dir, startup_timeout, servers record, results,
 # mem_fraction=None, ready=None); ready(), when given, is called once their servers serve, before their traffic
-OWN_PROCESSES = {"pd": pd.run, "incident": incident.run, "agents": agents.run}
+OWN_PROCESSES = {"pd": pd.run, "incident": incident.run, "agents": agents.run, "abort_safety": abort_safety.run}
 VERSIONS_PY = (
     "import json, importlib.metadata as m\n"
     "names = ['torch', 'triton', 'sglang', 'sglang-kernel', 'sgl-kernel', 'sgl-deep-gemm', 'deep-gemm',\n"
@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="serve: scenarios a, b, e, f (tiny); cost: scenario c (flash12); hicache: the HiCache storm; "
                          "pd: a prefill/decode pair over NIXL behind the PD router under the PD scenarios (tiny); "
                          "incident: PD pairs with HiCache and decode graphs under killed 80-session agents (hicache); "
-                         "agents: HiCache's gain and the fixes' price on an agent workload at C=4 and C=64 (flash12)")
+                         "agents: HiCache's gain and the fixes' price on an agent workload at C=4 and C=64 (flash12); "
+                         "abort_safety: late NIXL writes under killed agents, two prefills and a decode (hicache)")
     ap.add_argument("--bundle", type=Path, default=Path(os.environ.get("DSV4_BUNDLE_ROOT", "/tmp/dsv4-bundle/root")),
                     help="the unpacked bundle (its models/ holds the checkpoints)")
     ap.add_argument("--out", type=Path, required=True, help="the JSON to write")

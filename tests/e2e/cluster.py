@@ -117,11 +117,13 @@ def start_pd(env: E2EEnv, model: Path, log_dir: Path, tp: int = 1, switches: dic
 
 
 def pd_router(python, prefill: Proc, decode: Proc, bootstrap_port: int, log_dir: Path, tag: str = "",
-              args: list | None = None) -> Proc:
-    """The PD router in front of one prefill and one decode, on loopback (not started yet)."""
+              args: list | None = None, more_prefills: list[tuple[Proc, int]] = ()) -> Proc:
+    """The PD router in front of one prefill (and ``more_prefills``, with their bootstrap ports) and one decode,
+    on loopback (not started yet)."""
     port = free_port()
+    prefills = [a for p, boot in [(prefill, bootstrap_port), *more_prefills] for a in ("--prefill", p.url, str(boot))]
     return Proc(f"router{tag}", [str(python), "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                                 "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url,
+                                 *prefills, "--decode", decode.url,
                                  "--host", LOOPBACK, "--port", str(port),
                                  "--prometheus-host", LOOPBACK, "--prometheus-port", str(free_port()), *(args or [])],
                 log_dir / f"router{tag}.log", f"http://{LOOPBACK}:{port}")

@@ -434,3 +434,33 @@ def test_an_agents_run_of_some_targets_starts_only_those(standins, monkeypatch, 
     assert set(record["results"]["server_side"]["prefill"]) == {"hc_bf16", "hc_bf16_checksum"}
     assert set(record["results"]["profiles"]) == {"hc_bf16", "hc_bf16_checksum"}
     assert all("error" in p for p in record["results"]["profiles"].values())
+
+
+def test_run_abort_safety_records_every_target_with_two_prefills_and_the_fault_on_the_first(standins, monkeypatch,
+                                                                                               tmp_path):
+    from bench.gpu_server import abort_safety
+
+    for name, value in {"KILL_AFTER_S": 0.5, "FIRST_REQUESTS_S": 1.0,
+                        "AGENT": ("--prefix-words", "20", "--turn-words", "5", "--max-tokens", "8")}.items():
+        monkeypatch.setattr(incident, name, value)
+    for name, value in {"KILLS": 2, "STREAM_S": 2.0, "MULTI_TURN_S": 2.0, "SETTLE_S": 5.0}.items():
+        monkeypatch.setattr(abort_safety, name, value)
+    out = tmp_path / "abort_safety.json"
+    assert run.main(["abort_safety", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"]) == 0
+    record = json.loads(out.read_text())
+    targets, servers = record["results"]["targets"], record["servers"]
+    assert set(targets) == set(abort_safety.TARGETS)
+    for tag, res in targets.items():
+        assert "error" not in res, res
+        assert [k["round"] for k in res["kills"]] == [1, 2]
+        assert res["stream"]["served"] > 0 and res["multi_turn"]["served"] > 0
+        assert res["leftovers"] == {} and res["dead_after"] == []
+        slow, other = servers[f"prefill_slow_{tag}"]["launch"], servers[f"prefill_b_{tag}"]["launch"]
+        assert "DSV4_TEST_FAULT=slow_send" in slow and "DSV4_TEST_FAULT" not in other
+        assert all("DSV4_SM120_INDEX_K_CHECKSUM=1" in servers[f"{role}_{tag}"]["launch"]
+                   for role in ("prefill_slow", "prefill_b", "decode"))
+        router = servers[f"router_{tag}"]["launch"]
+        assert router.count("--prefill ") == 2
+    assert "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=0" in servers["decode_control"]["launch"]
+    assert "DSV4_SM120_NIXL_HARDENING=0" in servers["decode_fixes_off"]["launch"]
+    assert "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT=1" in servers["decode_defaults"]["launch"]

@@ -23,7 +23,8 @@ nothing fails. With ``DSV4_SM120_INDEX_K_CHECKSUM=1`` the decode watches for it 
 
 What it does not see: a write that lands before the baseline (the index-K part of that is the
 send/receive check's), a write into the partial last page or the pages the request appends to,
-and one that lands after the request's last re-read.
+and one that lands after the request's last re-read. A request that is retracted gives its pages
+up, so its baseline is dropped.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class Record:
     ready: object  # CUDA event behind the baseline; None off CUDA
     made: float = field(default_factory=time.monotonic)
     forwards: int = 0
+    retractions: int | None = None  # the request's retraction count when first seen: a retraction frees its pages
     bad: set = field(default_factory=set)  # (buffer, page) already reported
 
 
@@ -86,6 +88,7 @@ def count(name: str, n: int = 1) -> None:
 _lock = threading.Lock()
 _records: dict[int, Record] = {}
 _pending: list[_Check] = []
+_described: set[int] = set()
 
 
 def watched_buffers(kv_args, index_k: list[int]) -> list[int]:
@@ -133,6 +136,11 @@ def record(receiver, state) -> None:
     else:
         baseline, ready = _sums(rows, index), None
     rec = Record(receiver.bootstrap_room, pages, rows, id(mgr), names, index, baseline, ready)
+    if id(mgr) not in _described:
+        _described.add(id(mgr))
+        logger.info("PD late-write check on (%s=1): the full received pages of %d registered buffers are re-read "
+                    "every %d decode forwards (item bytes %s)", pd_integrity.SWITCH, len(buffers), EVERY,
+                    [mgr.kv_args.kv_item_lens[i] for i in buffers])
     with _lock:
         _records[rec.room] = rec
         while len(_records) > MAX_RECORDS:
@@ -146,6 +154,12 @@ def _due(batch) -> list[tuple[Record, object]]:
         for req in batch.reqs:
             rec = _records.get(getattr(req, "bootstrap_room", None))
             if rec is None or req.finished():
+                continue
+            retractions = getattr(req, "retraction_count", 0)
+            if rec.retractions is None:
+                rec.retractions = retractions
+            elif retractions != rec.retractions:  # retracted: its KV went elsewhere, the pages to others
+                del _records[rec.room]
                 continue
             if rec.forwards % EVERY == 0:
                 out.append((rec, req))

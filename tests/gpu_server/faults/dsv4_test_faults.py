@@ -11,6 +11,9 @@ picks the fault:
 - ``fence_off``: the package's bf16 index-K accessors stop waiting for the layer's HiCache load to land
   (upstream's own accessors of that layer are left as they are), to show what upstream's ordering gives
   without the package's fence.
+- ``slow_send`` (a PD prefill): one KV send in ``DSV4_TEST_FAULT_SEND_EVERY`` (default 3) is posted
+  ``DSV4_TEST_FAULT_SEND_DELAY_S`` (default 1.5) late, in the transfer worker, as a busy transport posts
+  it: a room the decode aborts in that window still has its write on the way.
 - ``fence_off_all``: the same, and upstream's own per-layer wait too (``wait_layer_transfer`` of the
   DeepSeek-V4 pool, which its compressor-state and KV accessors take before the C4 indexer reads a layer):
   nothing orders a forward after the loads it reads, the race the fence exists for.
@@ -74,7 +77,28 @@ def _fence_off_all() -> None:
     DeepSeekV4TokenToKVPool.wait_layer_transfer = lambda self, layer_id: None
 
 
-FAULTS = {"plant_one_page": _plant_one_page, "fence_off": _fence_off, "fence_off_all": _fence_off_all}
+def _slow_send() -> None:
+    import itertools
+    import time
+
+    from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+
+    every = int(os.environ.get("DSV4_TEST_FAULT_SEND_EVERY", "3"))
+    delay_s = float(os.environ.get("DSV4_TEST_FAULT_SEND_DELAY_S", "1.5"))
+    original = NixlKVManager.send_kvcache
+    calls = itertools.count()
+
+    def send_late(self, *args, **kwargs):
+        if next(calls) % every == 0:
+            time.sleep(delay_s)
+        return original(self, *args, **kwargs)
+
+    NixlKVManager.send_kvcache = send_late
+    logger.error("dsv4_test_faults: one NIXL KV send in %d is posted %.1f s late", every, delay_s)
+
+
+FAULTS = {"plant_one_page": _plant_one_page, "fence_off": _fence_off, "fence_off_all": _fence_off_all,
+          "slow_send": _slow_send}
 
 
 def register() -> None:
