@@ -26,7 +26,8 @@ import numpy as np
 @contextlib.contextmanager
 def slow_send(mgr, delay_s: float, calls: int = 1):
     """The next ``calls`` KV sends of prefill manager ``mgr`` are posted ``delay_s`` late; yields an event set
-    when the first delayed send has begun (the worker holds the chunk and has not posted it yet)."""
+    when the first delayed send has begun (the worker holds the chunk and has not posted it yet), its ``at``
+    the time it began."""
     original = mgr.send_kvcache
     began = threading.Event()
     left = [calls]
@@ -34,6 +35,7 @@ def slow_send(mgr, delay_s: float, calls: int = 1):
     def delayed(*args, **kwargs):
         if left[0] > 0:
             left[0] -= 1
+            began.at = time.monotonic()
             began.set()
             time.sleep(delay_s)
         return original(*args, **kwargs)

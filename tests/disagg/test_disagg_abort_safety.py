@@ -23,7 +23,7 @@ NEW_OWNER = 0xA5
 
 @pytest.fixture(scope="module")
 def safety_pd(make_pd):
-    return make_pd(hardened=True, seed=11)
+    return make_pd(seed=11)  # follows DSV4_SM120_NIXL_HARDENING: set to 0, these tests fail (the pin's behaviour)
 
 
 def _writing(pd, s, began) -> None:
@@ -78,6 +78,7 @@ def test_an_aborted_rooms_pages_stay_held_past_the_release_timeout_until_its_lat
             quarantined += [q.room for q in decode_hold.quarantined(hold.queue)]
             time.sleep(0.005)
     assert released_at, "the pages were never released, even after the prefill acknowledged the drained write"
+    time.sleep(max(0.0, began.at + SEND_DELAY_S + 1.0 - time.monotonic()))  # the late write has landed by now
     assert pd.quiesce(10.0)
     assert late_writes.stamped(pd, s.dst, NEW_OWNER), (
         "the aborted room's late NIXL write landed in pages already released to a new owner")

@@ -30,7 +30,7 @@ import time
 import weakref
 from dataclasses import dataclass
 
-from dsv4_sm120 import metrics
+from dsv4_sm120 import metrics, settings
 
 logger = logging.getLogger("dsv4_sm120.disagg")
 
@@ -69,7 +69,7 @@ def hold_until_drained(original, queue):
     """AROUND ``resolve_deferred_releases``: an entry past its deadline without the prefill's drain
     acknowledgement stays held (quarantined) until it drains or its prefill is declared lost."""
     entries = queue._deferred_releases
-    if not entries:
+    if not entries or not settings.load().nixl_hardening:  # read per call: one process may hold both behaviours
         return original(queue)
     held: dict[int, Quarantined] = queue.__dict__.setdefault(_STATE, {})
     now = time.monotonic()
