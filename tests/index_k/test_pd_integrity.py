@@ -431,3 +431,40 @@ def test_a_late_nixl_write_into_received_pages_fails_the_request_at_its_next_rer
     late.dst = own  # the loopback's books get the late room's own pages back, not the request's twice
     _finish(pd, late)
     _finish(pd, s)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_late_write_rereads_queue_without_a_host_wait_and_find_a_changed_page():
+    """The late-write check's CUDA path on registered VRAM: the baseline (side stream) and the re-reads (current
+    stream, behind the baseline's event) are queued with no call that makes the host wait, even while the
+    current stream is busy; a page changed after the baseline is found once its verdict landed."""
+    from types import SimpleNamespace
+
+    from dsv4_sm120.index_k import pd_late_writes
+
+    rows = [torch.randint(0, 256, (64, n), dtype=torch.uint8, device="cuda") for n in (1168, layout.BF16_PAGE_ROW_BYTES)]
+    kv_args = SimpleNamespace(kv_item_lens=[r.shape[1] for r in rows], kv_data_ptrs=[r.data_ptr() for r in rows],
+                              kv_data_lens=[r.numel() for r in rows], kv_data_mem_kinds=["VRAM"] * 2,
+                              gpu_id=rows[0].device.index or 0, kv_layer_ids=[0, 1])
+    receiver = SimpleNamespace(kv_mgr=SimpleNamespace(kv_args=kv_args), bootstrap_room=77)
+    setattr(receiver, pd_integrity._DST, np.array([5, 9, 11, 2]))
+    req = SimpleNamespace(rid="gpu-req", bootstrap_room=77, to_finish=None, retraction_count=0)
+    req.finished = lambda: req.to_finish is not None
+    batch = SimpleNamespace(reqs=[req], forward_mode=SimpleNamespace(is_decode=lambda: True))
+    scheduler = SimpleNamespace(attn_tp_size=1)
+    before = dict(pd_late_writes.COUNTERS)
+    torch.cuda._sleep(1_000_000_000)  # the current stream is busy with a forward
+    with NoHostSync():
+        pd_late_writes.record(receiver, SimpleNamespace(buffers=[1]))
+        pd_late_writes.run_batch(lambda s, b: None, scheduler, batch)  # the first forward's re-read, queued
+    torch.cuda.synchronize()
+    rows[0][9, 100] ^= 1  # a late write into a full received page of the compressed-KV buffer
+    rows[1][2, 7] ^= 1  # and one into the partial last page: not a late write
+    for _ in range(pd_late_writes.EVERY + 1):
+        pd_late_writes.run_batch(lambda s, b: None, scheduler, batch)
+    torch.cuda.synchronize()
+    pd_late_writes.run_batch(lambda s, b: None, scheduler, batch)  # reads the landed verdict back
+    found = {k: pd_late_writes.COUNTERS[k] - before[k] for k in before}
+    assert found["pd_pages_watched_total"] == 3 * 2 and found["pd_late_writes_total"] == 1, found
+    assert req.to_finish is not None and "room 77" in req.to_finish.message
