@@ -36,11 +36,10 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.gpu_server import incident, pd
-from bench.gpu_server.servers import ServerSpec, free_port, start, wait_healthy
+from bench.gpu_server.servers import ServerSpec, free_port, start
 from tests.e2e import checks, cluster, scrape
 
 FAULT_EVERY, FAULT_DELAY_S = 3, 1.5
@@ -173,21 +172,17 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
     work, tokenizer = pd.prepare(log_dir, out)
     out["shared_gpu"] = f"{len(TARGETS)} targets of three servers each, at once on one GPU"
     out["fault"] = {"name": "slow_send", "every": FAULT_EVERY, "delay_s": FAULT_DELAY_S, "on": "the first prefill"}
-    trios: list[tuple[pd.Pair, object]] = []
+    pairs: list[pd.Pair] = []
+    others: dict[str, tuple] = {}  # a target's tag -> its second prefill and that prefill's bootstrap port
     try:
         for tag, switches in TARGETS.items():
-            trios.append(start_trio(tag, switches, models_root, tokenizer, log_dir, mem_fraction))
-            servers.update(trios[-1][0].launches())
-        with ThreadPoolExecutor(2 * len(trios)) as pool:
-            for pair, _ in trios:
-                pair.healthy = pool.submit(wait_healthy, pair.started, startup_timeout)
-            for pair, _ in trios:
-                pair.healthy.result()
-            if ready is not None:
-                ready()
-            results = out["targets"] = {pair.tag[1:]: {"fix": pair.fix} for pair, _ in trios}
-            list(pool.map(lambda t: run_target(t[0], t[1], log_dir, work, results[t[0].tag[1:]]), trios))
+            pair, others[f"_{tag}"] = start_trio(tag, switches, models_root, tokenizer, log_dir, mem_fraction)
+            pairs.append(pair)
+            servers.update(pair.launches())
+        results = out["targets"] = {pair.tag[1:]: {"fix": pair.fix} for pair in pairs}
+        incident.serve_at_once(pairs, startup_timeout, ready,
+                               lambda p: run_target(p, others[p.tag], log_dir, work, results[p.tag[1:]]))
     finally:
-        for pair, _ in trios:
+        for pair in pairs:
             pair.cluster.stop()
             servers.update(pair.launches())

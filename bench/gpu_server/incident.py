@@ -135,6 +135,19 @@ def run_pair(pair: pd.Pair, log_dir: Path, work: Path, res: dict) -> None:
     res["dead_after"] = pair.cluster.servers.dead()
 
 
+def serve_at_once(pairs: list, startup_timeout: float, ready, traffic) -> None:
+    """Wait until every pair's servers are healthy (all at once), call ``ready``, then run ``traffic(pair)`` for
+    every pair at once."""
+    with ThreadPoolExecutor(2 * len(pairs)) as pool:
+        for pair in pairs:
+            pair.healthy = pool.submit(wait_healthy, pair.started, startup_timeout)
+        for pair in pairs:
+            pair.healthy.result()
+        if ready is not None:
+            ready()
+        list(pool.map(traffic, pairs))
+
+
 def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict, out: dict,
         mem_fraction: float | None = None, ready=None) -> None:
     """Start the three pairs, run each one's traffic at once, stop all; ``servers`` gets every launch line."""
@@ -145,16 +158,10 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
         for tag, switches in PAIRS.items():
             pairs.append(pd.start_pair(tag, switches, models_root, tokenizer, log_dir, mem_fraction, PAIR_SHAPE))
             servers.update(pairs[-1].launches())
-        with ThreadPoolExecutor(2 * len(pairs)) as pool:
-            for pair in pairs:
-                pair.healthy = pool.submit(wait_healthy, pair.started, startup_timeout)
-            for pair in pairs:
-                pair.healthy.result()
-            if ready is not None:
-                ready()
-            # in the record before the traffic, so a run stopped part way keeps each pair's rounds so far
-            results = out["pairs"] = {pair.tag or "_default": {"fix": pair.fix} for pair in pairs}
-            list(pool.map(lambda p: run_pair(p, log_dir, work, results[p.tag or "_default"]), pairs))
+        # in the record before the traffic, so a run stopped part way keeps each pair's rounds so far
+        results = out["pairs"] = {pair.tag or "_default": {"fix": pair.fix} for pair in pairs}
+        serve_at_once(pairs, startup_timeout, ready,
+                      lambda p: run_pair(p, log_dir, work, results[p.tag or "_default"]))
     finally:
         for pair in pairs:
             pair.cluster.stop()
