@@ -177,11 +177,5 @@ def enable_for_scheduler(result, scheduler, *args, **kwargs):
     return result
 
 
+# Where ``plugin.register`` hooks :func:`enable_for_scheduler` (every fix's counters go through this module).
 SCHEDULER_HOOK = "sglang.srt.managers.scheduler.Scheduler.init_metrics_collector"
-
-
-def register() -> None:
-    """Register the scheduler hook (every fix's counters go through this module)."""
-    from dsv4_sm120.hooks import hook
-
-    hook(SCHEDULER_HOOK, enable_for_scheduler)

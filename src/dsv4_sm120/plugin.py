@@ -15,6 +15,7 @@ import importlib
 import logging
 
 from dsv4_sm120 import metrics, pin, settings
+from dsv4_sm120.hooks import hook
 from dsv4_sm120.model import hooks as model_hooks
 
 logger = logging.getLogger("dsv4_sm120")
@@ -50,7 +51,7 @@ def register() -> bool:
     # of silently running as --model-impl sglang.
     _registered = True
     model_hooks.register()
-    metrics.register()
+    hook(metrics.SCHEDULER_HOOK, metrics.enable_for_scheduler)
     cfg = settings.load()
     for area in FIX_AREAS:
         importlib.import_module(area).register(cfg)

@@ -55,6 +55,14 @@ SWITCHES: tuple[Switch, ...] = (
 
 _BY_ENV = {s.env: s for s in SWITCHES}
 
+# ``--model-impl`` value that selects this package (upstream declares the flag as a free string).
+MODEL_IMPL = "dsv4"
+
+
+def is_dsv4_impl(model_impl) -> bool:
+    """True when a ServerArgs/ModelConfig ``model_impl`` value selects this package."""
+    return str(getattr(model_impl, "value", model_impl)).lower() == MODEL_IMPL
+
 
 class SettingsError(ValueError):
     """A DSV4_SM120_* variable holds a value the package does not accept."""

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsv4_sm120.index_k import layout, pd_integrity
+from dsv4_sm120.index_k import layout, pd_integrity, pd_rows
 from tests.index_k import pool_harness
 from tests.index_k.host_sync import NoHostSync
 from dsv4_sm120.index_k.pd_integrity import FrameError, PageSums, encode_frame, parse_frame
@@ -120,7 +120,7 @@ def test_registered_index_k_buffers_are_found_by_item_length_and_layout_tag(pd):
     assert pd_integrity.index_k_buffers(pd.prefill.kv_args) == [KV_LAYERS + i for i in range(INDEX_K_LAYERS)]
     assert pd_integrity.index_k_buffers(pd.decode.kv_args) == [KV_LAYERS + i for i in range(INDEX_K_LAYERS)]
     # the rows the check reads are the registered memory itself
-    rows = pd_integrity._page_rows(pd.decode.kv_args, KV_LAYERS)
+    rows = pd_rows.page_rows(pd.decode.kv_args, KV_LAYERS)
     assert rows.data_ptr() == pd.dst_kv[KV_LAYERS].data_ptr() and rows.shape[1] == layout.BF16_PAGE_ROW_BYTES
 
 
@@ -448,7 +448,7 @@ def test_cuda_late_write_rereads_queue_without_a_host_wait_and_find_a_changed_pa
                               kv_data_lens=[r.numel() for r in rows], kv_data_mem_kinds=["VRAM"] * 2,
                               gpu_id=rows[0].device.index or 0, kv_layer_ids=[0, 1])
     receiver = SimpleNamespace(kv_mgr=SimpleNamespace(kv_args=kv_args), bootstrap_room=77)
-    setattr(receiver, pd_integrity._DST, np.array([5, 9, 11, 2]))
+    setattr(receiver, pd_rows.DST, np.array([5, 9, 11, 2]))
     req = SimpleNamespace(rid="gpu-req", bootstrap_room=77, to_finish=None, retraction_count=0)
     req.finished = lambda: req.to_finish is not None
     batch = SimpleNamespace(reqs=[req], forward_mode=SimpleNamespace(is_decode=lambda: True))

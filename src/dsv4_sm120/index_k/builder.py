@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 
-from dsv4_sm120.model.resolve import is_dsv4_impl
+from dsv4_sm120.settings import is_dsv4_impl
 
 TARGET = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_dsv4_kv_pool"
 POOL_NAME = "DeepSeekV4TokenToKVPool"

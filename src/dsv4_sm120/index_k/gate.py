@@ -9,7 +9,7 @@ else leaves upstream's fp8 behaviour untouched.
 
 from __future__ import annotations
 
-from dsv4_sm120.model.resolve import is_dsv4_impl
+from dsv4_sm120.settings import is_dsv4_impl
 from dsv4_sm120.settings import Settings
 
 _switches: Settings | None = None

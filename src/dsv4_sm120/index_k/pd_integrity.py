@@ -43,7 +43,6 @@ event has completed).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import struct
 import threading
@@ -52,6 +51,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from dsv4_sm120.index_k import gate, layout, pd_late_writes
+from dsv4_sm120.index_k.pd_rows import DST as _DST
+from dsv4_sm120.index_k.pd_rows import SWITCH, page_rows, side_stream
 
 NIXL = "sglang.srt.disaggregation.nixl.conn"
 ADD_TRANSFER = f"{NIXL}.NixlKVManager.add_transfer_request"
@@ -60,11 +61,9 @@ PARSE_STATUS = f"{NIXL}.NixlKVManager.parse_kv_status_message"
 SEND_METADATA = f"{NIXL}.NixlKVReceiver.send_metadata"
 POLL = f"{NIXL}.NixlKVReceiver.poll"
 
-SWITCH = "DSV4_SM120_INDEX_K_CHECKSUM"
 MAGIC = b"DSV4SM120/index-k-sums/1\0"
 _HEADER = struct.Struct("<II")  # index-K buffers, pages
 _STATE = "_dsv4_pd_index_k"
-_DST = "_dsv4_index_k_dst_pages"
 _CHECKED = "_dsv4_index_k_checked"
 _RECEIVED = "_dsv4_index_k_received_sums"
 
@@ -115,23 +114,6 @@ def index_k_buffers(kv_args) -> list[int]:
     return [i for i, n in enumerate(kv_args.kv_item_lens) if n == layout.BF16_PAGE_ROW_BYTES]
 
 
-def _page_rows(kv_args, i: int):
-    """uint8 [pages, 16384] view of registered buffer ``i`` (no copy), in host or device memory."""
-    import torch
-
-    item, ptr = kv_args.kv_item_lens[i], kv_args.kv_data_ptrs[i]
-    pages = kv_args.kv_data_lens[i] // item
-    kinds = getattr(kv_args, "kv_data_mem_kinds", None)
-    if kinds is not None and kinds[i] == "DRAM":
-        return torch.frombuffer((ctypes.c_uint8 * (pages * item)).from_address(ptr), dtype=torch.uint8).view(pages, item)
-
-    class _Device:
-        __cuda_array_interface__ = {"shape": (pages, item), "typestr": "|u1", "data": (ptr, False),
-                                    "version": 3, "strides": None}
-
-    return torch.as_tensor(_Device(), device=f"cuda:{kv_args.gpu_id}")
-
-
 @dataclass(frozen=True)
 class SumsInFlight:
     """Checksums [buffers, n] of page rows at ``positions``, queued: the host reads them with :meth:`value`."""
@@ -151,19 +133,6 @@ class SumsInFlight:
         return self.sums.numpy()
 
 
-_side_streams: dict = {}
-
-
-def _side_stream(device):
-    """The device's checksum stream, made once: the sums neither wait behind later forwards nor hold them up."""
-    import torch
-
-    with _lock:
-        if device not in _side_streams:
-            _side_streams[device] = torch.cuda.Stream(device)
-        return _side_streams[device]
-
-
 def _queue_sums(kv_args, buffers: list[int], pages: np.ndarray, positions: np.ndarray,
                 wait_event=None) -> SumsInFlight:
     """Queue the checksums of rows ``pages`` of each registered buffer; the host waits for nothing here.
@@ -177,12 +146,12 @@ def _queue_sums(kv_args, buffers: list[int], pages: np.ndarray, positions: np.nd
     from dsv4_sm120.index_k.integrity import on_device, pinned_copy
     from dsv4_sm120.kernels.page_checksum import page_checksum
 
-    rows = [_page_rows(kv_args, i) for i in buffers]
+    rows = [page_rows(kv_args, i) for i in buffers]
     index = torch.as_tensor(np.asarray(pages, dtype=np.int64))
     device = rows[0].device
     if device.type != "cuda":
         return SumsInFlight(positions, torch.stack([page_checksum(r.index_select(0, index)) for r in rows]), None)
-    side = _side_stream(device)
+    side = side_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     if wait_event is not None:
         side.wait_event(wait_event)

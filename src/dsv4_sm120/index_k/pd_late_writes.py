@@ -110,9 +110,9 @@ def record(receiver, state) -> None:
     """Queue the baseline of ``receiver``'s room, whose receive just answered Success."""
     import torch
 
-    from dsv4_sm120.index_k import integrity, pd_integrity
+    from dsv4_sm120.index_k import integrity, pd_rows
 
-    dst = getattr(receiver, pd_integrity._DST, None)
+    dst = getattr(receiver, pd_rows.DST, None)
     if dst is None or len(dst) < 2:
         return
     mgr = receiver.kv_mgr
@@ -120,13 +120,13 @@ def record(receiver, state) -> None:
     if not buffers:
         return
     pages = np.asarray(dst[:-1], dtype=np.int64)
-    rows = [pd_integrity._page_rows(mgr.kv_args, i) for i in buffers]
+    rows = [pd_rows.page_rows(mgr.kv_args, i) for i in buffers]
     layer_ids = list(getattr(mgr.kv_args, "kv_layer_ids", None) or [])
     names = [f"buffer {i}" + (f" (kv layer id {layer_ids[i]})" if i < len(layer_ids) else "") for i in buffers]
     device = rows[0].device
     index = torch.as_tensor(pages)
     if device.type == "cuda":
-        side = pd_integrity._side_stream(device)
+        side = pd_rows.side_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             index = integrity.on_device(device, index)
@@ -139,7 +139,7 @@ def record(receiver, state) -> None:
     if id(mgr) not in _described:
         _described.add(id(mgr))
         logger.info("PD late-write check on (%s=1): the full received pages of %d registered buffers are re-read "
-                    "every %d decode forwards (item bytes %s)", pd_integrity.SWITCH, len(buffers), EVERY,
+                    "every %d decode forwards (item bytes %s)", pd_rows.SWITCH, len(buffers), EVERY,
                     [mgr.kv_args.kv_item_lens[i] for i in buffers])
     with _lock:
         _records[rec.room] = rec
@@ -221,7 +221,7 @@ def collect(attn_tp_size: int = 1) -> None:
 def _late_write(rec: Record, req, found: list[tuple[int, int]], attn_tp_size: int) -> None:
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    from dsv4_sm120.index_k.pd_integrity import SWITCH
+    from dsv4_sm120.index_k.pd_rows import SWITCH
 
     rec.bad.update(found)
     pages = {page for _, page in found} - {page for _, page in rec.bad - set(found)}

@@ -11,18 +11,14 @@ untouched.
 
 from __future__ import annotations
 
-MODEL_IMPL = "dsv4"
+from dsv4_sm120.settings import is_dsv4_impl
+
 # The main model gets the package's class; the MTP draft keeps upstream's.
 MAIN_ARCH = "DeepseekV4ForCausalLM"
 
 
 class UnsupportedCheckpointError(ValueError):
     """--model-impl dsv4 was given a checkpoint it does not serve under the switches in force."""
-
-
-def is_dsv4_impl(model_impl) -> bool:
-    """True when a ServerArgs/ModelConfig ``model_impl`` value selects this package."""
-    return str(getattr(model_impl, "value", model_impl)).lower() == MODEL_IMPL
 
 
 def checkpoint_refusal(hf_config, model_path, index_k_dtype: str) -> str | None:
