@@ -292,6 +292,15 @@ MUTATIONS: tuple[Mutation, ...] = (
       (E(INDEX_K + "pd_late_writes.py", "    changed = _sums(rows, index) != baseline\n",
          "    changed = _sums(rows, index) != _sums(rows, index)\n"),),
       ("tests/index_k/test_pd_integrity.py::test_a_late_nixl_write_into_received_pages_fails_the_request_at_its_next_reread",)),
+    M("verdicts-copied-blocking", "integrity mode: the verdicts' copy to the host only queues (CUDA branch)",
+      (E(INDEX_K + "integrity.py", "    host.copy_(tensor, non_blocking=True)\n    landed = torch.cuda.Event()\n    landed.record()\n",
+         "    host.copy_(tensor, non_blocking=True)\n    landed = torch.cuda.Event()\n    landed.record()\n"
+         "    landed.synchronize()\n"),),
+      ("tests/index_k/test_cuda_queueing.py::test_the_verdicts_copy_to_pinned_memory_without_blocking_behind_a_recorded_event",)),
+    M("indices-copied-blocking", "integrity mode: the indices' copy to the GPU only queues (CUDA branch)",
+      (E(INDEX_K + "integrity.py", "        return indices.pin_memory().to(device, non_blocking=True)",
+         "        return indices.pin_memory().to(device)"),),
+      ("tests/index_k/test_cuda_queueing.py::test_indices_go_to_the_gpu_from_pinned_memory_without_blocking",)),
     # --- fix 3: NIXL bootstrap hardening ---------------------------------------------------------
     M("switch-nixl-hardening-ignored", "switch DSV4_SM120_NIXL_HARDENING=0: no disagg hook is registered",
       (E(DISAGG + "hooks.py", "    if not cfg.nixl_hardening:\n        return\n", "    if False:\n        return\n"),),
