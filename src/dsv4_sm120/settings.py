@@ -43,7 +43,8 @@ SWITCHES: tuple[Switch, ...] = (
         "DSV4_SM120_NIXL_HARDENING",
         "1",
         ("0", "1"),
-        "NIXL prefill bootstrap thread: reject bad frames, tombstone aborted rooms, report liveness to /health.",
+        "NIXL: reject bad bootstrap frames, tombstone aborted rooms, liveness in /health; an aborted room's decode "
+        "pages stay held until its writes drained.",
     ),
     Switch(
         "DSV4_SM120_COLLECTIVE_GUARD",

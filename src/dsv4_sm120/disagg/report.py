@@ -25,8 +25,11 @@ def doctor_section() -> doctor.Section:
         rows.append(doctor.Row("nixl hardening", doctor.FAIL, switch_problem))
     elif on:
         rows.append(doctor.Row("nixl hardening", doctor.OK,
-                               "prefill bootstrap thread rejects bad frames, tombstones aborted rooms, fails /health when a NIXL thread dies"))
+                               "prefill bootstrap thread rejects bad frames, tombstones aborted rooms, fails /health when a NIXL "
+                               "thread dies; an abort is acknowledged once its writes drained, the decode quarantines "
+                               "pages an unacknowledged abort may still reach"))
     else:
         rows.append(doctor.Row("nixl hardening", doctor.WARN,
-                               "DSV4_SM120_NIXL_HARDENING=0: the pin's bootstrap thread; one unknown frame wedges PD for 300 s"))
+                               "DSV4_SM120_NIXL_HARDENING=0: the pin's bootstrap thread (one unknown frame wedges PD for 300 s) and its "
+                               "abort handling (an aborted room's pages go back at the release timeout, written or not)"))
     return doctor.Section("disagg", {"nixl_hardening": on, "nixl": nixl}, rows)
