@@ -13,7 +13,7 @@ AROUND hook's own time is its whole call less the upstream call it wraps (``orig
 work, which would run without the package, and a hook nested inside it counts under its own fix.
 
 How, at a price the loop does not notice: timing a call costs more than most hooks (four clock reads and an
-inner function for an AROUND hook: 1.1 us a call on an H100 host's CPU, against ~0.4 us of hook), and the loops
+inner function for an AROUND hook: 1.1 us a call on a Hopper host's CPU, against ~0.4 us of hook), and the loops
 call these hooks tens of thousands of times a second. So each wrapped function times one call at random
 intervals averaging :data:`SAMPLE_EVERY` calls, and that call's time stands for every call since the previous
 timed one (``gap`` calls): the seconds are an unbiased estimate (the intervals do not depend on what the calls

@@ -378,7 +378,7 @@ def test_decode_split_search_tries_one_count_per_wave_and_agrees_with_the_scan(k
 def test_decode_residency_follows_the_gpus_shared_memory(kern, monkeypatch):
     ml = kern.mqa_logits
     # the H200 figures the decode tunes were taken with (bench/results/kernels/indexer_h200_2026-12-01_tune_*.json)
-    assert {ns: ml.resident_programs(ml._H200, ns) for ns in range(2, 9)} == {2: 6, 3: 6, 4: 4, 5: 4, 6: 3, 7: 3, 8: 2}
+    assert {ns: ml.resident_programs(ml._HOPPER_132_SM, ns) for ns in range(2, 9)} == {2: 6, 3: 6, 4: 4, 5: 4, 6: 3, 7: 3, 8: 2}
     # sm_120 (RTX PRO 6000: 188 multiprocessors, 100 KiB of shared memory each; its build keeps the queries in
     # registers): one 8-stage program a multiprocessor, so one wave is 188 programs, not 376
     sm120 = dict(major=12, multi_processor_count=188, shared_memory_per_multiprocessor=102400,

@@ -91,7 +91,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       (E("src/dsv4_sm120/kernels/aot.py", "attrs=_jit_specialization(spec))", "attrs=None)"),),
       ("tests/kernels/test_aot_compile.py::test_logits_key_pages_are_pipelined",), timeout_s=400),
     M("decode-waves-counted-on-the-h200", "fix 1 (issue 14): decode splits count the GPU's own resident programs",
-      (E("src/dsv4_sm120/kernels/mqa_logits.py", "    props = _device_props(device)\n", "    props = _H200\n"),),
+      (E("src/dsv4_sm120/kernels/mqa_logits.py", "    props = _device_props(device)\n", "    props = _HOPPER_132_SM\n"),),
       ("tests/kernels/test_kernels_cpu.py::test_decode_residency_follows_the_gpus_shared_memory",)),
     M("decode-splits-searched-every-call", "fix 1 (issue 24 d): an eager call does not search decode splits again",
       (E("src/dsv4_sm120/kernels/mqa_logits.py", "kept(_SPLITS, key,", "kept({}, key,"),),

@@ -212,7 +212,7 @@ class HardenedBootstrap:
     def sweep_unheld_rooms(self, now: float | None = None) -> None:
         """Release the rooms of the manager's tables that no prefill sender holds and nothing else will clear.
 
-        Upstream clears a room only through its sender. A room is left behind when (seen on an H200 PD pair:
+        Upstream clears a room only through its sender. A room is left behind when (seen on a PD pair on a Hopper GPU:
         two rooms for good after its decode was killed mid-storm):
 
         * the decode aborted it: tombstoned, released as soon as no sender holds it (``_forget_if_unheld``);

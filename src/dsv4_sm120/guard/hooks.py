@@ -13,7 +13,7 @@ scheduler that has peers: plugins load before a scheduler knows its ranks, so th
 registers and applies them through upstream's ``HookRegistry`` once ``init_disaggregation`` is done
 (the scheduler's groups exist by then, and the loop has not started). At one rank the loop calls
 upstream's methods with nothing in between: those hooks ran on every iteration, idle ones
-included, and took 0.5-1.3% of a TP=1 PD pair's scheduler loops on an H100 to step aside.
+included, and took 0.5-1.3% of a TP=1 PD pair's scheduler loops on a Hopper GPU to step aside.
 With peers they act only on schedulers the patched loop's call set up, so without the patch they
 never change anything.
 """

@@ -17,7 +17,7 @@ happens, at its reader:
   whose load has not landed when the indexer reads it, or that a late write overwrote after
   it landed, holds other bytes than its backup and mismatches. The verdicts of all the
   forward's layers go to pinned host memory in one non-blocking copy, queued behind the last
-  layer's comparison (one copy a forward, not two a layer: on an H100 the per-layer copies were
+  layer's comparison (one copy a forward, not two a layer: on a Hopper GPU the per-layer copies were
   about half of the check's host time, ``bench/results/gpu_serving/gpu_serving_h100_2026-12-06_checksum_54feba8.json``).
 - **Verdict** (:meth:`PageLedger.collect`, in the scheduler's processing of that batch's
   result, after upstream's own wait for the batch's outputs): mismatches are counted, logged
@@ -203,7 +203,7 @@ class PageLedger:
         """Upstream's ``LayerDoneCounter`` as registered on the device pool now: a load's producer slot, a
         forward's consumer slot. Read at every call, never kept: upstream registers the cache controller's
         counter on the pool after the stack is built, and its hybrid controller replaces the counter it
-        started with (on an H200 a ledger holding the first one saw every forward consume slot -1 and
+        started with (on a Hopper GPU a ledger holding the first one saw every forward consume slot -1 and
         checked nothing)."""
         return getattr(self.kvcache, "layer_transfer_counter", None)
 

@@ -153,7 +153,7 @@ def keep_load_slot(original, batch, *args, **kwargs):
     Why: ``ScheduleBatch.copy`` keeps only the fields upstream's result processing reads, and the load slot
     is not one of them; under the overlap scheduler (sglang's default on a GPU) every batch reaches
     :func:`process_prefill_result` as such a copy, so without this the verdicts of every forward stayed
-    uncollected (an H200 run counted no check at all).
+    uncollected (a Hopper run counted no check at all).
     """
     copied = original(batch, *args, **kwargs)
     copied.hicache_consumer_index = batch.hicache_consumer_index

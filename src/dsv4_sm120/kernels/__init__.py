@@ -1,6 +1,6 @@
 """Triton kernels for bf16 index keys, each with a plain torch reference.
 
-Imports torch and triton only, never sglang: the same modules run on an H200
+Imports torch and triton only, never sglang: the same modules run on a Hopper GPU
 host whose image has no sglang (Triton 3.6) and compile ahead of time for sm_90 and sm_120 in CI
 (Triton 3.8). Modules:
 

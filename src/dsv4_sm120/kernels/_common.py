@@ -24,7 +24,7 @@ def hadamard_128(x):
     Stage s pairs the elements whose indices differ only in bit s, (a, b) -> (a + b, a - b): after the
     seven stages element j holds sum_i x_i (-1)^popcount(i & j), the Sylvester product. Adds only, in fp32,
     in registers: no 128 x 128 matrix is built per program (the matrix and its tf32x3 product made the
-    bf16 key store and query kernels several times slower than upstream's fused ones on an H200).
+    bf16 key store and query kernels several times slower than upstream's fused ones on a Hopper GPU).
     """
     BLOCK: tl.constexpr = x.shape[0]
     for s in tl.static_range(7):

@@ -77,7 +77,7 @@ def index_query_bf16(q, weights, weight_scale: float, freqs, positions, *, out: 
     (:func:`_query_plan`); a call of a known layout allocates the two outputs and launches. ``out``: the two
     outputs' buffers (contiguous), written instead of allocated: a forward's, which its C4 layers share
     (``model.deepseek_v4.TopkInputs``; the two allocations were 12 of an eager call's 28 us of host time on an
-    H200 host).
+    Hopper host).
     """
     key = (tensor_key(q), tensor_key(weights), tensor_key(positions), tensor_key(freqs), weight_scale,
            None if out is None else (tensor_key(out[0]), tensor_key(out[1])))

@@ -35,7 +35,7 @@ either's head sums, which are joined into one store (the key tile's trips from L
 one row per program; one [128 x 4*64] product held more registers than the program has, and spilled). Where the rows'
 page ids differ (rows of two requests in one group), the program stores only the
 rows that read the group's page and then scores the others again on their own
-pages, so the output is the same for any grouping (bit for bit on the H200).
+pages, so the output is the same for any grouping (bit for bit on a Hopper GPU).
 """
 
 from __future__ import annotations
@@ -51,14 +51,14 @@ from dsv4_sm120.kernels._common import cdiv, interpreting
 from dsv4_sm120.kernels.launch import Launch, check_one_device, kept, lasting_key, same_memory, tensor_key
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, check_pages
 
-# Launch defaults, from the H200 sweeps in bench/results/kernels/indexer_h200_2026-12-01*.json (tune_*: decode
+# Launch defaults, from the Hopper sweeps in bench/results/kernels/indexer_h200_2026-12-01*.json (tune_*: decode
 # timed in CUDA graphs over rotating page tables, prefill with do_bench).
 MIN_TILES_PER_PROGRAM = 1
 PREFILL_ROWS = 1024  # from this many query rows on, a program scores ROWS_PER_PROGRAM rows at once
 ROWS_PER_PROGRAM = 4
 DECODE_CONFIG = dict(num_warps=4, num_stages=8)  # 8 stages: 4 key pages in flight per program, 2 programs an SM
 PREFILL_CONFIG = dict(num_warps=4, num_stages=3)
-# Decode latency, H200 tunes at 28550c0 and dfdbd85 (tiny batches, 512 pages: 5-6 us kernels): the strided
+# Decode latency, Hopper tunes (tiny batches, 512 pages: 5-6 us kernels): the strided
 # split (program p of a row takes tiles p, p + P, ...), whose first page id does not depend on the row's
 # length and is loaded together with the length and the queries, beat the contiguous split with the same
 # page-id hint by 3-15%, and that beat loading the queries before the length (EARLY_Q) by 5-8%.
@@ -66,11 +66,11 @@ STRIDED = True
 PAGE_HINT = True  # contiguous split only: load the first page id before waiting on the queries
 EARLY_Q = False  # contiguous split only
 QLOOP_TILES = 0  # strided split: programs of at most this many tiles load the queries inside the pipeline
-# (tune 5f3f1cc: faster only where a program has one tile, 1 x 4k; slower for long programs, so off)
+# (faster only where a program has one tile, 1 x 4k; slower for long programs, so off)
 QLOOP_STAGES = 3
-# Inline logits stores (see _store_logits) from this many rows on. Under Triton 3.8 on the H200 they make
+# Inline logits stores (see _store_logits) from this many rows on. Under Triton 3.8 on a Hopper GPU they make
 # target-verify (16 and 128 rows) 3-9% faster but decode of 1 and 8 rows 1-5% slower (1 x 4k: 3.42 against
-# 3.59 us with tl.store; runs b2626c2 and 6f2b6f0, ..._decode_triton38_*.json); from 64 rows on they are within 1%.
+# 3.59 us with tl.store); from 64 rows on they are within 1%.
 INLINE_STORE_MIN_ROWS = 16
 # The one-row kernel's shared memory, from which its residency follows: num_stages // 2 key pages in flight, and
 # on Hopper (wgmma reads its second operand from shared memory) the row's queries too. The AOT builds at 4-8
@@ -79,8 +79,8 @@ INLINE_STORE_MIN_ROWS = 16
 # more a program. Registers (72 a thread) never bind first.
 _SCRATCH_SMEM = 1024  # the stores' layout-change scratch and the page-id buffers (measured 4-524 B)
 _RESERVED_SMEM = 1024  # per program, by the driver
-_H200 = dict(major=9, multi_processor_count=132, shared_memory_per_multiprocessor=233472,
-             max_threads_per_multi_processor=2048)  # the stand-in off a GPU (interpreter, CPU tests)
+_HOPPER_132_SM = dict(major=9, multi_processor_count=132, shared_memory_per_multiprocessor=233472,
+                      max_threads_per_multi_processor=2048)  # the stand-in off a GPU (interpreter, CPU tests)
 _DEVICE_PROPS: dict = {}
 # decode_splits' answers: (rows, width in split units, device index, stages, warps, heads) -> splits. Eager decode
 # widths grow with the context, so the table is emptied at a bound instead of growing without one.
@@ -99,7 +99,7 @@ def decode_program_smem(num_stages: int, *, major: int, heads: int = 64) -> int:
 
 
 def _device_index(device: torch.device) -> int | None:
-    """The CUDA device whose properties set the decode waves; None for the H200 stand-in."""
+    """The CUDA device whose properties set the decode waves; None for the Hopper stand-in."""
     if device.type != "cuda" or interpreting():
         return None
     return device.index if device.index is not None else torch.cuda.current_device()
@@ -108,15 +108,15 @@ def _device_index(device: torch.device) -> int | None:
 def _device_props(device: torch.device) -> dict:
     idx = _device_index(device)
     if idx is None:
-        return _H200
+        return _HOPPER_132_SM
     if idx not in _DEVICE_PROPS:
         p = torch.cuda.get_device_properties(idx)
-        _DEVICE_PROPS[idx] = {k: getattr(p, k) for k in _H200}
+        _DEVICE_PROPS[idx] = {k: getattr(p, k) for k in _HOPPER_132_SM}
     return _DEVICE_PROPS[idx]
 
 
 def resident_programs(props: dict, num_stages: int, num_warps: int = 4, heads: int = 64) -> int:
-    """Decode programs one multiprocessor of a GPU with these properties holds at once: on the H200 (228 KiB
+    """Decode programs one multiprocessor of a GPU with these properties holds at once: on a Hopper GPU (228 KiB
     of shared memory) 2 at 8 stages, 3 at 6, 4 at 4; on an sm_120 GPU (100 KiB) 1 at 8 stages, 2 at 4 to 7."""
     smem = decode_program_smem(num_stages, major=props["major"], heads=heads) + _RESERVED_SMEM
     by_smem = props["shared_memory_per_multiprocessor"] // smem
@@ -131,11 +131,11 @@ def decode_splits(rows: int, max_seq_len: int, *, device: torch.device, num_stag
     A wave is ``resident_programs`` on each multiprocessor of ``device``. For rows whose keys fill the
     width, time goes with (waves) x (tiles per program), so a split count whose programs end just under a
     whole number of waves wins (e.g. 256 rows on 132 x 3 slots: 3 splits, 768 programs in 2 waves, beat 2
-    splits, 512 programs in 1.3 waves, by 11% on the H200); each extra wave must gain 10% of fill (rows much
+    splits, 512 programs in 1.3 waves, by 11% on a Hopper GPU); each extra wave must gain 10% of fill (rows much
     shorter than the width leave most programs idle, and a second wave then only adds latency). Never more
     splits than the width has tiles.
 
-    The search loops over up to 4 waves of programs (1,056 candidates for one row on the H200: 2.2 ms of host
+    The search loops over up to 4 waves of programs (1,056 candidates for one row on a Hopper GPU: 2.2 ms of host
     time), so its answer is kept in ``_SPLITS`` per device and everything else it depends on.
     """
     max_splits = max(1, cdiv(max_seq_len, PAGE_SLOTS * tile_pages * min_tiles))
@@ -155,9 +155,8 @@ def _search_splits(rows: int, max_splits: int, slots: int) -> int:
 
     Within one wave count the score grows with ``sp`` (by ``rows / (waves * slots)`` a step, far above 1e-9),
     so only the largest ``sp`` of each wave count can win, and it wins exactly where the count-by-count scan
-    would end on it: one candidate per wave (at most 5) instead of every ``sp`` (1,056 for one row on an H200,
-    0.35 ms of host time each time a new batch size or width met the search in eager decode, git show
-    1a542b2:bench/results/kernels/indexer_h200_2026-12-04_eager_1a542b2.json)."""
+    would end on it: one candidate per wave (at most 5) instead of every ``sp`` (1,056 for one row on a Hopper GPU,
+    0.35 ms of host time each time a new batch size or width met the search in eager decode)."""
     upper = min(max_splits, max(1, (4 * slots) // rows))  # at most about 4 waves
     best, best_score = 1, -1.0
     for waves in range(1, cdiv(rows * upper, slots) + 1):
@@ -205,7 +204,7 @@ def _half_group(q_ptr, w_ptr, r0, n_rows, stride_q_row, stride_q_head, stride_w_
 def _store_logits(ptrs, vals, mask, INLINE: tl.constexpr):
     """Store fp32 logits where mask holds. INLINE: one st.global per value in the layout the head sum leaves
     it in; tl.store first moves it to a coalesced layout through shared memory, a round trip and a barrier per
-    tile that stalls the next tile's product (H200: 5-9% of target-verify, 0.5-1% of decode; the CPU
+    tile that stalls the next tile's product (Hopper: 5-9% of target-verify, 0.5-1% of decode; the CPU
     interpreter has no inline assembly, so it takes tl.store). A value held by several threads is stored by
     each of them: the same bytes, but in prefill's layout so many times over that tl.store is faster."""
     if INLINE:
@@ -345,9 +344,9 @@ def _logits_kernel(
         ref_pt = pt_ptr + ref * stride_pt_row
         # the R rows' heads side by side, in two halves scored by two products a tile: one product over all R
         # rows held more registers than a program has and spilled (Triton 3.8: 288 B, two halves 152 B;
-        # 3-5% faster on the H200). Triton still waits for both before the first head sum. The halves' head sums
+        # 3-5% faster on a Hopper GPU). Triton still waits for both before the first head sum. The halves' head sums
         # are joined into one [PAGE, R] store: one layout change through shared memory (and its barrier) a tile
-        # instead of two (H200, Triton 3.8: 3-6% faster, 136 B spilled; barrier waits were a third of the stalls).
+        # instead of two (Hopper, Triton 3.8: 3-6% faster, 136 B spilled; barrier waits were a third of the stalls).
         HALF: tl.constexpr = R // 2
         q_a, w_a = _half_group(q_ptr, w_ptr, r0, n_rows, stride_q_row, stride_q_head, stride_w_row, HALF, H, D)
         q_b, w_b = _half_group(q_ptr, w_ptr, r0 + HALF, n_rows, stride_q_row, stride_q_head, stride_w_row, HALF, H, D)
@@ -437,7 +436,7 @@ def bf16_paged_mqa_logits(
     scores R consecutive rows and loads each key page they share once; rows whose pages differ (another
     request) are scored again on their own pages, so the result does not depend on R. ``inline_store``
     stores the logits with inline st.global (see ``_store_logits``); the default is on a GPU with one row
-    per program and at least ``INLINE_STORE_MIN_ROWS`` rows (H200, Triton 3.8: target-verify 3-9% faster,
+    per program and at least ``INLINE_STORE_MIN_ROWS`` rows (Hopper, Triton 3.8: target-verify 3-9% faster,
     decode of 1 and 8 rows 1-5% slower), and off in prefill, where the head sum's layout holds each of the
     R rows' logits in many threads (12-18% slower there).
 
@@ -468,7 +467,7 @@ class LogitsCall:
     Every C4 layer of a forward scores its own queries against its own pool with the same lengths, page table and
     width into the same output, so a layer's call keys its plan on its three tensors only; the bound tensors'
     layouts are read once, when the forward binds them (each tensor's layout read costs an eager call
-    about a microsecond of an H200 host's time). The queries and weights are the forward's own buffers, the same
+    about a microsecond of a Hopper host's time). The queries and weights are the forward's own buffers, the same
     two tensors at every layer (``model.deepseek_v4.TopkInputs``): their layouts are read again only when other
     tensors come (the last two are held); a pool's page views last as the pool does (``launch.lasting_key``).
     Returns the bound output.

@@ -4,9 +4,8 @@ Outside upstream's multi-stream split of the indexer (taken only while a decode 
 captured), a C4 layer runs its key store and its query on the current stream, back to back, and they share
 nothing: the store reads the compressor's rows and writes the pool, the query reads ``wq_b``'s rows and writes
 the forward's buffers; the logits, later on the same stream, read both. In eager decode each launch costs host
-time that a step of few rows cannot hide (one row on an H200 host: the store's call 17.2 us and the query's
-11.0 us, against about 3 us of kernel each, git show
-1a542b2:bench/results/kernels/indexer_h200_2026-12-04_eager_1a542b2.json). ``_query_store_kernel`` does both:
+time that a step of few rows cannot hide (one row on a Hopper host: the store's call 17.2 us and the query's
+11.0 us, against about 3 us of kernel each). ``_query_store_kernel`` does both:
 programs ``[0, cdiv(tokens x heads, QUERY_BLOCK))`` rotate the queries, the others store the keys, each block as
 its own kernel does it (the same jit helpers, ``query_block`` and ``store_block``), so the bytes written are
 those of the two launches.

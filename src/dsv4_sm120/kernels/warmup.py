@@ -1,6 +1,6 @@
 """Compile (or load from Triton's disk cache) every kernel variant a server launches, before it serves.
 
-Without this, the first request of each new shape stalled 1.3-2.1 s on the H200 while Triton compiled a kernel.
+Without this, the first request of each new shape stalled 1.3-2.1 s on a Hopper GPU while Triton compiled a kernel.
 A variant is one entry of Triton's kernel cache: a constexpr branch the wrappers choose (logits:
 decode below and from ``INLINE_STORE_MIN_ROWS`` rows, prefill from ``PREFILL_ROWS``; the store, alone under
 upstream's multi-stream split and with the query in one launch on one stream: extend and decode plans) times what Triton specializes the runtime arguments on (``launch.specialization_key``). The

@@ -101,9 +101,9 @@ class BF16C4Indexer(C4Indexer):
         stream beside both, which then waits for the query.
 
         Upstream asks for it while capturing a decode CUDA graph of up to 64 rows (128 on Blackwell). Run on one
-        stream, the compression waited for ``q_lora`` and the query for the compression: on an H200 the decode
+        stream, the compression waited for ``q_lora`` and the query for the compression: on a Hopper GPU the decode
         step of a 12-layer model of DeepSeek-V4-Flash's dimensions took 3.7% longer than upstream's with TileLang,
-        at the same kernels and kernel time (git show 468f95f:bench/results/gpu_serving/gpu_serving_h200_2026-12-02_cost_33511c4.json).
+        at the same kernels and kernel time.
         """
         current = torch.cuda.current_stream()
         on_query, on_weights = streams[0], streams[1]
@@ -217,8 +217,8 @@ class TopkInputs:
     layer's queries and logits are read by its own kernels before the next layer's are written on the same stream
     (or on upstream's indexer stream, joined every layer), so one set of buffers serves them all, and an eager
     layer's indexer calls allocate nothing and its logits call reads the layout of three tensors instead of six
-    (on an H200 host the outputs' ``torch.empty`` were 6.3 of the logits call's 29 us of host time
-    and 12.2 of the query call's 28.5, git show 468f95f:bench/results/kernels/indexer_h200_2026-12-02_eager_786f569.json).
+    (on a Hopper host the outputs' ``torch.empty`` were 6.3 of the logits call's 29 us of host time
+    and 12.2 of the query call's 28.5).
 
     Kept on the forward's metadata, so it lives as long as the forward does; metadata that outlives its forward
     (a CUDA-graph capture's may) and meets other tensors or rows gets new inputs. Views only: where the metadata
@@ -386,7 +386,7 @@ class DeepseekV4ForCausalLMSM120(DeepseekV4ForCausalLM):
         ``load_weights`` compiles the mHC pre-norm kernels (a DeepGEMM GEMM and a TileLang kernel, one of each per
         split count, which follows a batch's token count) for every count up to a prefill chunk before any
         forward. The loaders that bypass it (dummy, sharded state, remote) call this method with no arguments
-        and never reach that prewarm, so each new split count compiled inside a serving batch: on an H100 a
+        and never reach that prewarm, so each new split count compiled inside a serving batch: on a Hopper GPU a
         dummy-weight PD prefill's two batches took 16 and 17 s and its ``/health`` timed out at the router.
         ``load_weights`` always passes its weight names, so a call without them is a bypassing loader's."""
         super().post_load_weights(is_nextn=is_nextn, weight_names=weight_names)

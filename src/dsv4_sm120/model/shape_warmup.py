@@ -3,7 +3,7 @@
 The package compiles its own kernels while the model is built (``kernels/warmup.py``). What a first
 request of a new shape still pays is upstream's first use: the top-k selection switching on once a prompt
 passes ``4 x index_topk`` tokens, chunked extends over a cached prefix, kernels that upstream compiles on
-first call, the allocator growing to a long prompt's activations. On an H200 the first 4096- and
+first call, the allocator growing to a long prompt's activations. On a Hopper GPU the first 4096- and
 16384-token requests took 2.5-2.8x their steady latency under CUDA graphs, with upstream's fp8 indexer as
 with the package's bf16 one (``bench/results/gpu_serving/``).
 
@@ -15,9 +15,9 @@ largest running batch). Each request decodes a few tokens, so decode at that con
 
 The warmups run inside the window in which sglang's launcher waits for the HTTP app to answer (about 120 s;
 past it the launcher kills the server), so the whole warmup has ``BUDGET_S``: each group may take what is left of
-it (on a cold JIT cache the first group compiles kernels: on an H200 it took over 30 s, so a fixed 30 s per group
+it (on a cold JIT cache the first group compiles kernels: on a Hopper GPU it took over 30 s, so a fixed 30 s per group
 left every shape cold), and a group that does not finish in it stops the warmup, naming the shapes left cold.
-The longest prompt is bounded by half the KV pool the scheduler reported as well as by the context: on an H200 a HiCache server with a 16384-token pool and
+The longest prompt is bounded by half the KV pool the scheduler reported as well as by the context: on a Hopper GPU a HiCache server with a 16384-token pool and
 context never scheduled a 16,377-token warmup prompt and never turned healthy. A PD server does not run it:
 its requests wait for a decode peer a warmup does not have (a PD prefill served 1 of 22 in 126 s); warm the
 pair through the router once both are up.
