@@ -1,4 +1,4 @@
-"""Issue 16: the collective guard with the forward's collectives on real NCCL, two GPU ranks.
+"""The collective guard with the forward's collectives on real NCCL, two GPU ranks.
 
 On 2 ranks, one process and one GPU each (``torch.cuda.set_device(rank)``), the pin's real patched
 overlap loops run through the patched-loop harness (``tests/guard/pd_loop_harness.py``; what is real

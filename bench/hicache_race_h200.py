@@ -1,4 +1,4 @@
-"""GPU stress test of the HiCache ordering contract for bf16 index-K pages (issue 5, GPU side).
+"""GPU stress test of the HiCache ordering contract for bf16 index-K pages (GPU side).
 
 Standalone torch + the package's kernels (no sglang). A device pool of bf16
 index-K pages [P, 64, 128] and a pinned host mirror exchange pages on two side

@@ -1,4 +1,4 @@
-"""``python -m bench.gpu_server.compose``: issue 24's one record of a GPU host, (a) to (f), from the runs that measured them.
+"""``python -m bench.gpu_server.compose``: the one record of a GPU host's serving scenarios, (a) to (f), from the runs that measured them.
 
 The scenarios run as separate sets (``run serve`` for a, b, e and f on the tiny checkpoint, ``run cost`` for c on
 ``flash12``, ``python -m bench.indexer --eager-only`` for d), each writing its own JSON with its date, device,

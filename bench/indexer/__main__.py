@@ -1,5 +1,5 @@
 """``python -m bench.indexer``: the bf16 indexer kernels against upstream's own fp8 kernels, same page tables,
-one run (issue 14).
+one run.
 
 One run measures the ceilings (HBM read bandwidth, dense bf16 and fp8 GEMM rates), checks every kernel
 against its torch reference (``doctor --selftest`` included; ``checks``) and times, side by side on the same

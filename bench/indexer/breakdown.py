@@ -1,4 +1,4 @@
-"""Where does the host time of an eager decode step go (issue 24 d)?
+"""Where does the host time of an eager decode step go?
 
 For one request's decode step (1 x 4096 keys at the capture width), each piece of the model's three per-layer
 calls, logits, query and key store, timed alone on the host (``eager_host_breakdown`` in the JSON;
@@ -37,7 +37,7 @@ def _host_us(fn, calls, rounds=5):
 
 
 BREAKDOWN_FIELDS = {
-    "whole_call": "the wrapper allocating its outputs, steady state (the model's call before issue 24 d's bound call)",
+    "whole_call": "the wrapper allocating its outputs, steady state (the model's call before the bound call)",
     "whole_call_out_given": "the wrapper with out= given (no allocation): the query as the model calls it",
     "bound_call": "logits only: as the model calls it, a LogitsCall with lengths, page table, width and output bound",
     "whole_call_new_layout": "logits only: a new width every call (max_seq_len grows in eager decode): a plan per call",
@@ -107,7 +107,7 @@ def _direct_matches_triton(call, outputs) -> bool:
 
 
 def host_breakdown(pool, gen):
-    """Where an eager call's host time goes (issue 24 d), one piece at a time, for the model's three per-layer
+    """Where an eager call's host time goes, one piece at a time, for the model's three per-layer
     calls at a decode step of one request (1 x 4096 keys at the capture width): each piece timed alone with
     ``_host_us`` (BREAKDOWN_FIELDS says what each is). Dry runs time the pieces that need no GPU."""
     live = SIZES["eager_live"][0]

@@ -1,10 +1,10 @@
-"""What host time does an eager call of the bf16 indexer add to its kernels (issue 24 d)?
+"""What host time does an eager call of the bf16 indexer add to its kernels?
 
 Decode B in {1, 8, 64} x {4k, 32k, 128k} keys at the capture width as eager calls (wall clock of back-to-back
-calls, host included), with every host cache and as before issue 24, beside the CUDA-graph replay and the
+calls, host included), with every host cache and as before the host caches, beside the CUDA-graph replay and the
 kernel alone (``eager`` in the JSON; ``eager_section`` says what each field is), and the whole C4 layer, query,
 key store and logits as the model calls them (``eager_layer``; ``layer_section``). The last lines (VERDICT,
-``print_verdict``) set the host time an eager layer and an eager logits call add against issue 24's 20 us bar.
+``print_verdict``) set the host time an eager layer and an eager logits call add against the 20 us bar.
 ``--eager-only`` runs only these and ``breakdown`` (under a minute on the H200).
 """
 
@@ -189,7 +189,7 @@ def _forget_plans():
 
 
 def eager_section(pool, gen):
-    """Decode logits as eager calls, host time included, beside CUDA-graph replays and the kernel alone (issue 24 d).
+    """Decode logits as eager calls, host time included, beside CUDA-graph replays and the kernel alone.
 
     Per shape (rows x live keys, width = the capture width, the same inputs every call, so keys may sit in L2:
     the decode section has the L2-cold kernel times): ``eager_us`` as the model calls it, with every host cache
@@ -197,7 +197,7 @@ def eager_section(pool, gen):
     buffer bound (``model.deepseek_v4.TopkInputs``), given each layer's queries, weights and pool;
     ``eager_alloc_us`` the same call allocating its output, as a caller without a buffer meets it;
     ``eager_triton_dispatch_us`` with Triton's own dispatch instead of the direct launch;
-    ``eager_before_us`` as before issue 24, the split search run before every call (its cache and the wrapper's
+    ``eager_before_us`` as before the host caches, the split search run before every call (its cache and the wrapper's
     plans emptied) and Triton's dispatch (the search itself now divides without ``triton.cdiv``, so this
     understates the old cost);
     ``graph_us`` per launch of a captured graph; ``kernel_us`` the kernel alone (CUPTI); ``host_added_us`` =
@@ -247,7 +247,7 @@ def eager_section(pool, gen):
     return rows_out
 
 
-HOST_BAR_US = 20.0  # issue 24 d: an eager call adds at most this much host time to its kernel
+HOST_BAR_US = 20.0  # an eager call adds at most this much host time to its kernel
 
 
 def print_verdict(result: dict) -> None:

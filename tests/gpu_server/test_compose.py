@@ -1,4 +1,4 @@
-"""Issue 24's one record, composed from the committed H200 runs: every scenario present, each held against its bar."""
+"""The one record of the GPU serving scenarios, composed from the committed H200 runs: every scenario present, each held against its bar."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ def test_logits_decode_shape_matches_fp32_reference(inline_store):
 
 
 def test_layers_sharing_a_bound_logits_call_match_the_wrapper_eager_and_in_a_cuda_graph():
-    # issue 24 (d): the C4 layers of a forward share one LogitsCall (lengths, page table, width, output bound) and
+    # the C4 layers of a forward share one LogitsCall (lengths, page table, width, output bound) and
     # its buffer; each layer's logits are read before the next layer writes (here: copied out), in eager calls and
     # when the whole step is one captured graph, and equal the allocating wrapper's bit for bit
     from dsv4_sm120.kernels.mqa_logits import LogitsCall, bf16_paged_mqa_logits

@@ -108,7 +108,7 @@ def test_query_rope_hadamard_matches_ref(kern):
 
 
 def test_query_writes_the_buffers_it_is_given_and_refuses_wrong_ones(kern):
-    # a forward's C4 layers hand the query their shared buffers (issue 24 d); a wrong buffer is refused, clearly
+    # a forward's C4 layers hand the query their shared buffers; a wrong buffer is refused, clearly
     g = _gen(5)
     q = torch.randn(3, 16, D, generator=g).to(torch.bfloat16)
     w = torch.randn(3, 16, generator=g).to(torch.bfloat16)

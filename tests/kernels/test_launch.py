@@ -1,4 +1,4 @@
-"""An eager indexer call does its host work once per argument layout, not once per call (issue 24 d).
+"""An eager indexer call does its host work once per argument layout, not once per call.
 
 On the H200 an eager logits call of 1 x 131072 keys took 2.20 ms, against 0.018 ms in a CUDA graph: the
 decode split search ran on every call, and Triton's dispatch bound and specialized 28 arguments on every call;

@@ -199,7 +199,7 @@ def test_bf16_indexer_selects_the_reference_top512(kv, kern, env_torch_logits, c
 
 @pytest.mark.parametrize("chunk_rows", [None, 1])
 def test_the_layers_of_a_forward_share_its_topk_inputs(kv, kern, env_torch_logits, monkeypatch, chunk_rows):
-    # issue 24 (d): the C4 layers of a forward share the metadata cut to their rows, the query's and the logits'
+    # the C4 layers of a forward share the metadata cut to their rows, the query's and the logits'
     # buffers, and with one chunk a logits call with all of it bound: an eager layer's indexer calls allocate nothing
     from dsv4_sm120.model import deepseek_v4
 
@@ -257,7 +257,7 @@ class _Stream:
 
 
 def test_a_captured_decode_keeps_upstreams_multi_stream_split(kv, kern, env_torch_logits, monkeypatch):
-    # issue 24 (c): upstream computes the head weights and the query on two side streams while the keys are
+    # upstream computes the head weights and the query on two side streams while the keys are
     # compressed and stored; run on one stream, an H200 decode step took 3.7% longer than upstream's
     import contextlib
 

@@ -1,4 +1,4 @@
-"""No request compiles a kernel: the warmup launches every Triton specialization a server meets (issue 24 e).
+"""No request compiles a kernel: the warmup launches every Triton specialization a server meets.
 
 specialization_run.py drives the wrappers the way the model does over a sweep of request shapes (decode rows
 1..64 at the capture width and at eager widths, extend rows 1..5000 at widths 1..8191, page tables of several
