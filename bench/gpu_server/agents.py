@@ -87,7 +87,9 @@ PAIRS = {"pd": {}, "pd_fixes_off": {"DSV4_SM120_NIXL_HARDENING": "0", "DSV4_SM12
          # each fix's own price, and pd once more (the floor under the pairs' ratios: two pairs of one
          # configuration ran 5% apart on the same batch on one H100); not in the default panel
          "pd_guard_off": {"DSV4_SM120_COLLECTIVE_GUARD": "0"}, "pd_hardening_off": {"DSV4_SM120_NIXL_HARDENING": "0"},
-         "pd_again": {}}
+         "pd_again": {},
+         # integrity mode on both sides: the PD send/receive sums and the decode's late-write re-reads
+         "pd_checksum": {"DSV4_SM120_INDEX_K_CHECKSUM": "1"}}
 DEFAULT_TARGETS = [*SINGLES, "pd", "pd_fixes_off"]
 FIXES_TURNED_OFF = ("disagg", "guard")  # pd_fixes_off's switches, as the pin manifest names their hooks' fixes
 # the targets to start, in this order (comma-separated names of SINGLES and PAIRS; default DEFAULT_TARGETS): the
@@ -119,7 +121,10 @@ RATIOS = (("same_config_throughput", "hc_bf16_again", "hc_bf16", "output_tokens_
           ("pd_fixes_on_vs_off_throughput", "pd", "pd_fixes_off", "output_tokens_per_s"),
           ("pd_guard_throughput", "pd", "pd_guard_off", "output_tokens_per_s"),
           ("pd_hardening_throughput", "pd", "pd_hardening_off", "output_tokens_per_s"),
-          ("same_config_pd_throughput", "pd_again", "pd", "output_tokens_per_s"))
+          ("same_config_pd_throughput", "pd_again", "pd", "output_tokens_per_s"),
+          ("pd_checksum_throughput", "pd_checksum", "pd", "output_tokens_per_s"),
+          ("pd_checksum_ttft_p50", "pd_checksum", "pd", "ttft_p50_s"))
+BOOTSTRAP_RESAMPLES = 2000
 
 
 def specs(tokenizer: Path, names: list[str] | None = None) -> list[ServerSpec]:
@@ -218,8 +223,23 @@ def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def medians_ratio(num: list[float], den: list[float], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> dict:
+    """The ratio of two servers' medians over their rounds, with a 95% bootstrap interval (each server's rounds
+    resampled on their own). A median of per-round ratios hides a server that is slower in every round by less
+    than the rounds spread; this one does not."""
+    num, den = [v for v in num if v], [v for v in den if v]
+    if not num or not den:
+        return {"ratio": None}
+    rng = random.Random(seed)
+    draws = sorted(statistics.median(rng.choices(num, k=len(num))) / statistics.median(rng.choices(den, k=len(den)))
+                   for _ in range(resamples))
+    return {"ratio": statistics.median(num) / statistics.median(den), "low": draws[int(0.025 * resamples)],
+            "high": draws[int(0.975 * resamples) - 1], "n": [len(num), len(den)]}
+
+
 def summarize(runs: list[dict], rounds: tuple[int, ...] | None = None) -> dict:
-    """Per target and level, each figure's median over the rounds with its min-max; the bars' ratios per round.
+    """Per target and level, each figure's median over the rounds with its min-max; the bars' ratios per round,
+    and the ratio of the two servers' medians with its bootstrap interval (``ratios_of_medians``).
     A level that waited on a compile is left out (``left_out_compiling`` names it; its repeat, if clean, stands
     in for it). ``rounds``: the timed rounds to take (default every one); a record's table over some of its
     rounds is ``summarize(record["results"]["runs"], rounds=(2, 3))``."""
@@ -234,6 +254,7 @@ def summarize(runs: list[dict], rounds: tuple[int, ...] | None = None) -> dict:
     out = {t: {c: {f: _spread([lv.get(f) for lv in levels]) for f in FIGURES} for c, levels in by_c.items()}
            for t, by_c in table.items()}
     ratios: dict = {}
+    of_medians: dict = {}
     timed = sorted({(_block(r), r["round"]) for r in runs})  # a round of a start (of a block of starts, alone)
     for name, num, den, figure in RATIOS:
         for c in CONCURRENCY:
@@ -245,10 +266,12 @@ def summarize(runs: list[dict], rounds: tuple[int, ...] | None = None) -> dict:
                 if a and b and a[0] and b[0]:
                     per_round.append(a[0] / b[0])
             ratios.setdefault(name, {})[str(c)] = _spread(per_round)
+            levels = {t: [lv.get(figure) for lv in table.get(t, {}).get(str(c), [])] for t in (num, den)}
+            of_medians.setdefault(name, {})[str(c)] = medians_ratio(levels[num], levels[den])
     left_out = [f"{_level_name(r)} "
                 f"({', '.join(f'{k} {n}' for k, n in r['compiled']['by_cache'].items())} files compiled)"
                 for r in compiling]
-    return {"table": out, "ratios": ratios, "left_out_compiling": left_out}
+    return {"table": out, "ratios": ratios, "ratios_of_medians": of_medians, "left_out_compiling": left_out}
 
 
 def _prefill_logs(started: list, pair_tags: list[str], pairs: list) -> dict:

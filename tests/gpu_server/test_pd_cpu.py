@@ -225,6 +225,7 @@ def test_run_agents_visits_every_target_in_shuffled_abba_rounds_and_summarizes(s
     assert not [r for r in res["runs"] if "error" in r["level"] or r["level"]["failed"]], res["runs"][:2]
     assert set(res["table"]) == targets and res["table"]["pd"]["64"]["output_tokens_per_s"]["n"] == 2
     assert res["ratios"]["checksum_throughput"]["4"]["n"] == 2
+    assert res["ratios_of_medians"]["checksum_throughput"]["4"]["n"] == [2, 2]  # each server's two rounds
     assert agents.summarize(res["runs"], rounds=(2,))["ratios"]["checksum_throughput"]["4"]["n"] == 1
     assert res["ratios"]["same_config_throughput"]["64"]["n"] == 2  # the panel's own floor
     servers = json.loads(out.read_text())["servers"]
@@ -318,7 +319,22 @@ def test_each_pd_fix_has_a_pair_of_its_own_and_pd_a_twin(monkeypatch):
     assert ratios["pd_guard_throughput"] == ("pd", "pd_guard_off")
     assert ratios["pd_hardening_throughput"] == ("pd", "pd_hardening_off")
     assert ratios["same_config_pd_throughput"] == ("pd_again", "pd")
+    assert agents.PAIRS["pd_checksum"] == {"DSV4_SM120_INDEX_K_CHECKSUM": "1"}
+    assert ratios["pd_checksum_throughput"] == ratios["pd_checksum_ttft_p50"] == ("pd_checksum", "pd")
     assert agents.DEFAULT_TARGETS == [*agents.SINGLES, "pd", "pd_fixes_off"]
+
+
+def test_the_ratio_of_two_servers_medians_comes_with_its_bootstrap_interval():
+    """A server 6% slower in every round of a drifting host reads 0.94, inside its interval (each server's rounds
+    resampled on their own, so five rounds that drift by more than 6% give a wide one); identical rounds give a
+    zero-width interval; a server with no rounds gives no ratio."""
+    fast = [100.0, 112.0, 95.0, 120.0, 104.0]
+    slow = [v * 0.94 for v in fast]
+    got = agents.medians_ratio(slow, fast)
+    assert abs(got["ratio"] - 0.94) < 1e-9 and got["n"] == [5, 5]
+    assert got["low"] <= got["ratio"] <= got["high"]
+    assert agents.medians_ratio([2.0, 2.0], [1.0, 1.0]) == {"ratio": 2.0, "low": 2.0, "high": 2.0, "n": [2, 2]}
+    assert agents.medians_ratio([], [1.0]) == {"ratio": None}
 
 
 def test_a_timed_level_that_waited_on_a_compile_is_run_again_and_only_the_repeat_counts(standins, monkeypatch,
