@@ -69,9 +69,12 @@ def hold_until_drained(original, queue):
     """AROUND ``resolve_deferred_releases``: an entry past its deadline without the prefill's drain
     acknowledgement stays held (quarantined) until it drains or its prefill is declared lost."""
     entries = queue._deferred_releases
-    if not entries or not settings.load().nixl_hardening:  # read per call: one process may hold both behaviours
-        return original(queue)
     held: dict[int, Quarantined] = queue.__dict__.setdefault(_STATE, {})
+    if not entries:
+        held.clear()  # upstream dropped its holds (the pool's memory released): nothing is quarantined
+        return original(queue)
+    if not settings.load().nixl_hardening:  # read per call: one process may hold both behaviours
+        return original(queue)
     now = time.monotonic()
     kept = []
     for entry in entries:
