@@ -161,3 +161,16 @@ def test_an_aborted_room_with_a_write_in_flight_stays_in_the_prefills_tables_unt
     assert wait_until(lambda: (pd.hardening.sweep_unheld_rooms(), s.room not in pd.prefill.request_status)[1], 5.0), (
         "the drained room stayed in the prefill's tables")
     assert pd.quiesce(10.0)
+
+
+def test_holds_upstream_dropped_leave_nothing_counted_as_quarantined():
+    """``release_memory_occupation`` empties upstream's hold list without releasing entry by entry: the rooms
+    quarantined there must not stay on the gauge."""
+    from types import SimpleNamespace
+
+    from dsv4_sm120.disagg import decode_hold
+
+    queue = SimpleNamespace(_deferred_releases=[])
+    queue._dsv4_quarantined = {1: decode_hold.Quarantined(room=7, tokens=512, since=0.0)}
+    decode_hold.hold_until_drained(lambda q: None, queue)
+    assert decode_hold.quarantined(queue) == []
