@@ -18,7 +18,7 @@ stay in step.
 
 Nothing waits here: the hook only rewrites the deadlines of entries already past them. Counted on
 ``/metrics`` as ``sglang:dsv4_pd_rooms_quarantined`` and ``sglang:dsv4_pd_tokens_quarantined`` (what is held
-past the timeout now), ``..._rooms_quarantined_total`` and ``..._quarantine_released_total{why}``.
+past the timeout now), ``sglang:dsv4_pd_quarantines_total`` and ``sglang:dsv4_pd_quarantine_released_total{why}``.
 """
 
 from __future__ import annotations

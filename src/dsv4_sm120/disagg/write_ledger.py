@@ -33,7 +33,6 @@ from dsv4_sm120 import metrics
 
 logger = logging.getLogger("dsv4_sm120.disagg")
 
-NIXL_MANAGER = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
 SETTLED = ("DONE", "ERR")
 _ATTR = "_dsv4_write_ledger"
 _create_lock = threading.Lock()
@@ -107,20 +106,26 @@ class WriteLedger:
             return False
 
     # -- acknowledgements -------------------------------------------------------------------------
+    def _writing(self, room: int) -> bool:  # with self.lock held
+        return room in self.held or room in self.parked
+
+    def _remember(self, room: int, target) -> None:  # with self.lock held
+        self.targets.setdefault(room, {})[(target.ip, target.port)] = target
+
     def live(self, room: int) -> bool:
         with self.lock:
-            return room in self.held or room in self.parked
+            return self._writing(room)
 
     def remember(self, room: int, target) -> None:
         with self.lock:
-            self.targets.setdefault(room, {})[(target.ip, target.port)] = target
+            self._remember(room, target)
 
     def withhold(self, room: int, target) -> bool:
         """Whether the acknowledgement of ``room`` to ``target`` must wait (it is then remembered)."""
         with self.lock:
-            wait = room in self.held or room in self.parked or room in self.unprovable
+            wait = self._writing(room) or room in self.unprovable
             if wait:
-                self.targets.setdefault(room, {})[(target.ip, target.port)] = target
+                self._remember(room, target)
             else:
                 targets = self.targets.get(room)
                 if targets is not None:
@@ -134,7 +139,7 @@ class WriteLedger:
     def flush(self, room: int) -> None:
         """Acknowledge every remembered target of ``room`` if it drained (through upstream's own sender)."""
         with self.lock:
-            if room in self.held or room in self.parked or room in self.unprovable or room not in self.targets:
+            if self._writing(room) or room in self.unprovable or room not in self.targets:
                 return
             targets = list(self.targets.pop(room).values())
         for target in targets:

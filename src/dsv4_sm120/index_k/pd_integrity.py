@@ -52,7 +52,7 @@ import numpy as np
 
 from dsv4_sm120.index_k import gate, layout, pd_late_writes
 from dsv4_sm120.index_k.pd_rows import DST as _DST
-from dsv4_sm120.index_k.pd_rows import SWITCH, page_rows, side_stream
+from dsv4_sm120.index_k.pd_rows import SWITCH, behind_current, page_rows, row_sums
 
 NIXL = "sglang.srt.disaggregation.nixl.conn"
 ADD_TRANSFER = f"{NIXL}.NixlKVManager.add_transfer_request"
@@ -144,21 +144,14 @@ def _queue_sums(kv_args, buffers: list[int], pages: np.ndarray, positions: np.nd
     import torch
 
     from dsv4_sm120.index_k.integrity import on_device, pinned_copy
-    from dsv4_sm120.kernels.page_checksum import page_checksum
 
     rows = [page_rows(kv_args, i) for i in buffers]
     index = torch.as_tensor(np.asarray(pages, dtype=np.int64))
     device = rows[0].device
     if device.type != "cuda":
-        return SumsInFlight(positions, torch.stack([page_checksum(r.index_select(0, index)) for r in rows]), None)
-    side = side_stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    if wait_event is not None:
-        side.wait_event(wait_event)
-    with torch.cuda.stream(side):
-        index = on_device(device, index)
-        return SumsInFlight(positions, *pinned_copy(torch.stack([page_checksum(r.index_select(0, index))
-                                                                 for r in rows])))
+        return SumsInFlight(positions, row_sums(rows, index), None)
+    with behind_current(device, wait_event):
+        return SumsInFlight(positions, *pinned_copy(row_sums(rows, on_device(device, index))))
 
 
 @dataclass(frozen=True)

@@ -99,13 +99,6 @@ def watched_buffers(kv_args, index_k: list[int]) -> list[int]:
     return [i for i, (n, item) in enumerate(zip(kv_args.kv_data_lens, kv_args.kv_item_lens)) if n // item == pages]
 
 
-def _sums(rows: list, index):
-    from dsv4_sm120.kernels.page_checksum import page_checksum
-    import torch
-
-    return torch.stack([page_checksum(r.index_select(0, index)) for r in rows])
-
-
 def record(receiver, state) -> None:
     """Queue the baseline of ``receiver``'s room, whose receive just answered Success."""
     import torch
@@ -126,15 +119,13 @@ def record(receiver, state) -> None:
     device = rows[0].device
     index = torch.as_tensor(pages)
     if device.type == "cuda":
-        side = pd_rows.side_stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
+        with pd_rows.behind_current(device):
             index = integrity.on_device(device, index)
-            baseline = _sums(rows, index)
+            baseline = pd_rows.row_sums(rows, index)
             ready = torch.cuda.Event()
             ready.record()
     else:
-        baseline, ready = _sums(rows, index), None
+        baseline, ready = pd_rows.row_sums(rows, index), None
     rec = Record(receiver.bootstrap_room, pages, rows, id(mgr), names, index, baseline, ready)
     if id(mgr) not in _described:
         _described.add(id(mgr))
@@ -142,6 +133,7 @@ def record(receiver, state) -> None:
                     "every %d decode forwards (item bytes %s)", pd_rows.SWITCH, len(buffers), EVERY,
                     [mgr.kv_args.kv_item_lens[i] for i in buffers])
     with _lock:
+        _records.pop(rec.room, None)  # kept in the order they were made: the stale ones are the first
         _records[rec.room] = rec
         while len(_records) > MAX_RECORDS:
             _records.pop(next(iter(_records)))
@@ -149,11 +141,15 @@ def record(receiver, state) -> None:
 
 
 def _due(batch) -> list[tuple[Record, object]]:
+    """The records whose re-read is due in this decode batch; a finished request's record is dropped."""
     out = []
     with _lock:
         for req in batch.reqs:
             rec = _records.get(getattr(req, "bootstrap_room", None))
-            if rec is None or req.finished():
+            if rec is None:
+                continue
+            if req.finished():
+                del _records[rec.room]
                 continue
             retractions = getattr(req, "retraction_count", 0)
             if rec.retractions is None:
@@ -171,7 +167,7 @@ def check(batch) -> None:
     """Queue the re-read of the due requests of a decode ``batch`` (before its forward is launched)."""
     import torch
 
-    from dsv4_sm120.index_k import integrity
+    from dsv4_sm120.index_k import integrity, pd_rows
 
     due = _due(batch)
     if not due:
@@ -193,7 +189,7 @@ def check(batch) -> None:
                 stream.wait_event(rec.ready)
     index = torch.cat([rec.index for rec in records])
     baseline = torch.cat([rec.baseline for rec in records], dim=1)
-    changed = _sums(rows, index) != baseline
+    changed = pd_rows.row_sums(rows, index) != baseline
     if cuda:
         verdict, landed = integrity.pinned_copy(changed)
     else:
@@ -206,10 +202,12 @@ def check(batch) -> None:
 def collect(attn_tp_size: int = 1) -> None:
     """Read the re-reads that landed: count, log and fail what changed."""
     with _lock:
-        ready = [c for c in _pending if c.landed is None or c.landed.query()]
-        _pending[:] = [c for c in _pending if c not in ready]
+        ready, waiting = [], []
+        for c in _pending:
+            (ready if c.landed is None or c.landed.query() else waiting).append(c)
+        _pending[:] = waiting
     for c in ready:
-        changed = c.verdict.numpy() if hasattr(c.verdict, "numpy") else np.asarray(c.verdict)
+        changed = c.verdict.numpy()
         for rec, req, (lo, hi) in zip(c.records, c.reqs, c.spans):
             found = [(int(b), int(rec.pages[j])) for b, j in zip(*np.nonzero(changed[:, lo:hi]))]
             new = [(b, page) for b, page in found if (b, page) not in rec.bad]
@@ -223,8 +221,8 @@ def _late_write(rec: Record, req, found: list[tuple[int, int]], attn_tp_size: in
 
     from dsv4_sm120.index_k.pd_rows import SWITCH
 
+    pages = {page for _, page in found} - {page for _, page in rec.bad}  # a page counts once per request
     rec.bad.update(found)
-    pages = {page for _, page in found} - {page for _, page in rec.bad - set(found)}
     count("pd_late_writes_total", len(pages))
     for b, page in found[:16]:
         logger.error("PD late write: room=%s rid=%s page=%d %s changed after its receive completed",
@@ -241,17 +239,14 @@ def _late_write(rec: Record, req, found: list[tuple[int, int]], attn_tp_size: in
 
 
 def _forget_stale() -> None:
+    """Drop the baselines older than ``STALE_S`` (rooms whose request never decoded): the oldest come first."""
     now = time.monotonic()
     with _lock:
-        for room in [r for r, rec in _records.items() if now - rec.made > STALE_S]:
+        while _records:
+            room, rec = next(iter(_records.items()))
+            if now - rec.made <= STALE_S:
+                return
             del _records[room]
-
-
-def forget_finished(batch) -> None:
-    with _lock:
-        for req in batch.reqs:
-            if req.finished():
-                _records.pop(getattr(req, "bootstrap_room", None), None)
 
 
 def run_batch(original, scheduler, batch, *args, **kwargs):
@@ -261,7 +256,6 @@ def run_batch(original, scheduler, batch, *args, **kwargs):
         if _pending:
             collect(getattr(scheduler, "attn_tp_size", None) or _attn_tp_size())
         if batch is not None and batch.forward_mode.is_decode():
-            forget_finished(batch)
             check(batch)
     return original(scheduler, batch, *args, **kwargs)
 

@@ -1,5 +1,5 @@
-"""What the decode's and the prefill's PD page checks share: the switch, the registered buffers' page rows, the
-device's side stream, and where a receiver keeps its destination pages.
+"""What the decode's and the prefill's PD page checks share: the switch, the registered buffers' page rows, their
+checksums, the device's side stream, and where a receiver keeps its destination pages.
 
 Both checks (:mod:`.pd_integrity`, the send/receive sums; :mod:`.pd_late_writes`, the decode's re-reads) read
 the KV buffers NIXL registered, in place, as rows of whole pages, and queue their checksums where no forward
@@ -8,6 +8,7 @@ waits for them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 
@@ -43,3 +44,26 @@ def side_stream(device):
         if device not in _side_streams:
             _side_streams[device] = torch.cuda.Stream(device)
         return _side_streams[device]
+
+
+@contextlib.contextmanager
+def behind_current(device, wait_event=None):
+    """Run the block on the device's side stream, queued after all the current stream has queued (and after
+    ``wait_event``): the host waits for nothing."""
+    import torch
+
+    side = side_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    if wait_event is not None:
+        side.wait_event(wait_event)
+    with torch.cuda.stream(side):
+        yield side
+
+
+def row_sums(rows: list, index):
+    """int64 [len(rows), n]: the checksum of rows ``index`` of each page-row view (``kernels.page_checksum``)."""
+    import torch
+
+    from dsv4_sm120.kernels.page_checksum import page_checksum
+
+    return torch.stack([page_checksum(r.index_select(0, index)) for r in rows])
