@@ -31,7 +31,6 @@ runtime calls and kernels side by side).
 
 from __future__ import annotations
 
-import hashlib
 import http.client
 import json
 import os
@@ -265,22 +264,10 @@ def probe_prime(url: str) -> list:
     return turns
 
 
-def _selections(result: dict, topk: int) -> dict | None:
-    """{row: digest of each C4 layer's sorted selection} for the rows the request computed itself."""
-    layers = models.c4_layers("hicache")
-    rows = traffic.indexer_topk(result, layers, topk)
-    if rows is None:
-        return None
-    import numpy as np
-
-    first = int((result.get("meta_info") or {}).get("cached_tokens") or 0)
-    rows = np.sort(rows[first:], axis=-1)
-    return {first + i: hashlib.sha1(row.tobytes()).hexdigest()[:16] for i, row in enumerate(rows)}
-
-
 def probe_ask(url: str, turns: list, topk: bool) -> list:
     """Each probe session's second turn, one request at a time: its result, or the server's error."""
     vocab, k = models.config("hicache")["vocab_size"], models.config("hicache")["index_topk"]
+    layers = models.c4_layers("hicache")
     out = []
     for g, history in enumerate(turns):
         ids = history + traffic.prompt(54000 + g, TURN_TOKENS, vocab)
@@ -290,25 +277,9 @@ def probe_ask(url: str, turns: list, topk: bool) -> list:
             out.append({"error": str(exc)[:600], "http_500": " 500" in str(exc)[:200]})
             continue
         meta = results[0].get("meta_info") or {}
+        first = int(meta.get("cached_tokens") or 0)
         out.append({"digest": traffic.digest(results[0]), "cached_tokens": meta.get("cached_tokens"),
-                    "selections": _selections(results[0], k) if topk else None})
-    return out
-
-
-def topk_agreement(a: list, b: list) -> dict:
-    """Requests (and rows) whose own-forward selections are equal on two servers, from the later of the two
-    cached-token counts on, past ``SELECTIVE_FROM`` (below it the top-512 takes every compressed key)."""
-    out = {"requests": 0, "requests_equal": 0, "rows": 0, "rows_equal": 0, "not_compared": 0}
-    for x, y in zip(a, b):
-        if not x.get("selections") or not y.get("selections"):
-            out["not_compared"] += 1
-            continue
-        rows = [r for r in x["selections"] if r in y["selections"] and r >= SELECTIVE_FROM]
-        equal = sum(x["selections"][r] == y["selections"][r] for r in rows)
-        out["requests"] += 1
-        out["requests_equal"] += int(bool(rows) and equal == len(rows))
-        out["rows"] += len(rows)
-        out["rows_equal"] += equal
+                    "selections": traffic.own_selections(results[0], first, layers, k) if topk else None})
     return out
 
 
@@ -497,7 +468,8 @@ def run(servers: dict, logs: dict, work_dir=None, out: dict | None = None) -> di
                                 "errors": sum("error" in r for r in p)}
                             for n, p in probes.items() if isinstance(p, list)}
     if isinstance(probes.get("eager_off"), list):
-        out["topk_vs_off"] = {n: topk_agreement(probes[n], probes["eager_off"]) for n in TOPK_SERVERS
+        out["topk_vs_off"] = {n: traffic.topk_agreement(probes[n], probes["eager_off"], SELECTIVE_FROM)
+                              for n in TOPK_SERVERS
                               if n != "eager_off" and isinstance(probes.get(n), list)}
     out["metrics_after_probes"] = _each(servers, lambda n, u: scrape(u), {})
     if all(n in servers for n in COST_PAIR):

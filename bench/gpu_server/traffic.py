@@ -78,6 +78,30 @@ def generate(url: str, input_ids: list[list[int]], max_new_tokens: int, *, timeo
     return seconds, out if isinstance(out, list) else [out]
 
 
+def pd_generate(prefill: str, decode: str, bootstrap_port: int, ids: list[int], max_new_tokens: int, *,
+                room: int, rid: str | None = None, timeout: float = 120,
+                return_indexer_topk: bool = False) -> dict:
+    """One greedy request sent to a PD pair the way the router sends it, with no router: the same body, naming the
+    prefill's bootstrap address and a room, to the prefill and the decode at once; the decode's result (the
+    prefill's answer carries no tokens). A test can then pick the decode (one the router does not know) and
+    abort the request by ``rid`` on both sides."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"input_ids": ids, "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port,
+            "bootstrap_room": room,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
+    if rid is not None:
+        body["rid"] = rid
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(request, prefill, "/generate", body, timeout=timeout)
+        decoded = {**body, "return_indexer_topk": True} if return_indexer_topk else body
+        try:
+            out = json.loads(request(decode, "/generate", decoded, timeout=timeout))
+        finally:
+            first.exception()  # the prefill's side is over too (its error, if any, is the decode's as well)
+    return out[0] if isinstance(out, list) else out
+
+
 def stream_token_times(url: str, input_ids: list[list[int]], max_new_tokens: int, *,
                        timeout: float = 600) -> tuple[float, list[dict[int, float]]]:
     """(seconds, per prompt {completion tokens: arrival time}) of a greedy batch streamed as one ``/generate``
@@ -138,6 +162,37 @@ def indexer_topk(result: dict, layers: int, topk: int):
         return None
     flat = np.frombuffer(base64.b64decode(raw), dtype=np.int32)
     return flat.reshape(-1, layers, topk)
+
+
+def own_selections(result: dict, first_row: int, layers: int, topk: int) -> dict | None:
+    """{row: digest of each C4 layer's sorted selection} for the rows from ``first_row`` on (those the request
+    computed in its own forward: sglang captures by device KV slot, so rows of a prefix it did not compute
+    there hold whatever last used those slots), or None when the server returned no selections."""
+    rows = indexer_topk(result, layers, topk)
+    if rows is None:
+        return None
+    import numpy as np
+
+    rows = np.sort(rows[first_row:], axis=-1)
+    return {first_row + i: hashlib.sha1(row.tobytes()).hexdigest()[:16] for i, row in enumerate(rows)}
+
+
+def topk_agreement(a: list, b: list, selective_from: int) -> dict:
+    """Requests (and rows) whose own-forward selections (``own_selections`` under ``"selections"``) are equal on
+    two servers, over the rows both computed from ``selective_from`` on (below it the top-k takes every
+    compressed key, so equality says nothing)."""
+    out = {"requests": 0, "requests_equal": 0, "rows": 0, "rows_equal": 0, "not_compared": 0}
+    for x, y in zip(a, b):
+        if not x.get("selections") or not y.get("selections"):
+            out["not_compared"] += 1
+            continue
+        rows = [r for r in x["selections"] if r in y["selections"] and r >= selective_from]
+        equal = sum(x["selections"][r] == y["selections"][r] for r in rows)
+        out["requests"] += 1
+        out["requests_equal"] += int(bool(rows) and equal == len(rows))
+        out["rows"] += len(rows)
+        out["rows_equal"] += equal
+    return out
 
 
 def get_text(url: str, path: str, timeout: float = 30) -> str:

@@ -9,7 +9,9 @@ a CPU in seconds. What each answers:
   hardened thread's reason for a foreign tag; with ``DSV4_SM120_NIXL_HARDENING=0`` the first frame stops that
   thread for good (``/bootstrap_alive`` answers 503), as it stops upstream's;
 - the decode, and a server of no PD mode: chats (streamed a token every 20 ms, or whole), six index-K pages checked
-  for each;
+  for each; ``/generate`` with ``return_indexer_topk`` answers selections of the hicache checkpoint's shape (six
+  C4 layers of top-512), made from the prompt; with ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=0`` the
+  first request after an ``/abort_request`` gets them changed, as a late write into freed pages would;
 - the router: chats passed to the decode while the prefill's thread lives; after that they stall, as the pin's do;
 - every server: the NIXL hardening's and the guard's hook time, a millisecond and a thousand calls a second each
   while its switch is on.
@@ -18,8 +20,11 @@ a CPU in seconds. What each answers:
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
 import json
 import os
+import struct
 import threading
 import time
 import urllib.error
@@ -36,7 +41,8 @@ ap.add_argument("--prefill", nargs=2)
 ap.add_argument("--decode")
 args, _ = ap.parse_known_args()
 role = args.disaggregation_mode or ("router" if args.prefill else "single")
-state = {"frames": 0, "alive": True, "pages": 0}
+state = {"frames": 0, "alive": True, "pages": 0, "aborted": False}
+TOPK_LAYERS, TOPK = 6, 512
 STARTED = time.monotonic()
 FIX_SWITCHES = {"disagg": "DSV4_SM120_NIXL_HARDENING", "guard": "DSV4_SM120_COLLECTIVE_GUARD"}
 lock = threading.Lock()
@@ -69,6 +75,21 @@ def bootstrap_thread(sock) -> None:
             return
 
 
+def generated(payload: dict) -> dict:
+    """A greedy ``/generate`` answer: tokens, and selections for every position when asked."""
+    ids, new = payload["input_ids"], payload["sampling_params"]["max_new_tokens"]
+    meta = {"cached_tokens": 0}
+    if payload.get("return_indexer_topk"):
+        seed = int(hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:6], 16)
+        with lock:
+            late = state["aborted"] and os.environ.get("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE") == "0"
+            state["aborted"] = False
+        rows = [(seed + late + r) % 1000 for r in range(len(ids) + new - 1)
+                for _ in range(TOPK_LAYERS * TOPK)]
+        meta["indexer_topk"] = base64.b64encode(struct.pack(f"{len(rows)}i", *rows)).decode()
+    return {"output_ids": [2] * new, "meta_info": meta}
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
@@ -95,6 +116,11 @@ class Handler(BaseHTTPRequestHandler):
         if role == "router":
             return self._route(body)
         payload = json.loads(body)
+        if self.path == "/abort_request":
+            state["aborted"] = True
+            return self._send(200, b"{}")
+        if self.path == "/generate" and role == "decode":
+            return self._send(200, json.dumps(generated(payload)).encode())
         with lock:
             state["pages"] += 6
         if not payload.get("stream"):

@@ -459,7 +459,9 @@ def test_run_abort_safety_records_every_target_with_two_prefills_and_the_fault_o
     for name, value in {"KILL_AFTER_S": 0.5, "FIRST_REQUESTS_S": 1.0,
                         "AGENT": ("--prefix-words", "20", "--turn-words", "5", "--max-tokens", "8")}.items():
         monkeypatch.setattr(incident, name, value)
-    for name, value in {"KILLS": 2, "STREAM_S": 2.0, "MULTI_TURN_S": 2.0, "SETTLE_S": 5.0}.items():
+    for name, value in {"KILLS": 2, "STREAM_S": 2.0, "MULTI_TURN_S": 2.0, "SETTLE_S": 5.0, "LANE_ROUNDS": 2,
+                        "PROBES_PER_ROUND": 3, "PROBE_TOKENS": 8, "PROBE_NEW": 3, "VICTIMS": 2,
+                        "VICTIM_WAIT_S": 0.3, "CUT_AFTER_S": 0.1, "SELECTIVE_FROM": 0}.items():
         monkeypatch.setattr(abort_safety, name, value)
     out = tmp_path / "abort_safety.json"
     assert run.main(["abort_safety", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"]) == 0
@@ -479,4 +481,18 @@ def test_run_abort_safety_records_every_target_with_two_prefills_and_the_fault_o
         assert router.count("--prefill ") == 2
     assert "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=0" in servers["decode_control"]["launch"]
     assert "DSV4_SM120_NIXL_HARDENING=0" in servers["decode_fixes_off"]["launch"]
+    # the top-k lane (two rows of its own a probe: 3 new tokens): a probe right after each round's abort differs from the reference where the decode frees
+    # the victims' pages at once (the stand-in's model of a late write); the others' equal it
+    for tag, res in targets.items():
+        lane = servers[f"decode_topk_{tag}"]["launch"]
+        assert "--enable-return-indexer-topk" in lane and "--cuda-graph-backend-decode disabled" in lane
+        assert ("DSV4_SM120_INDEX_K_CHECKSUM=1" in lane) == abort_safety.LANE_CHECKED[tag]
+        assert res["probes"] == 6 and res["topk_vs_reference"]["requests"] == 6
+        assert [r["round"] for r in res["lane_rounds"]] == [1, 2]
+    assert [(p["round"], p["i"]) for p in targets["control"]["probes_differing"]] == [(1, 0), (2, 0)]
+    assert targets["defaults"]["probes_differing"] == [] and targets["fixes_off"]["probes_differing"] == []
+    defaults = targets["defaults"]["topk_vs_reference"]
+    assert defaults["rows"] == defaults["rows_equal"] == 6 * 2 and defaults["requests_equal"] == 6
+    assert record["results"]["reference"]["probes"] == 6 and "--enable-return-indexer-topk" in \
+        servers["decode_reference"]["launch"]
     assert "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT=1" in servers["decode_defaults"]["launch"]

@@ -13,7 +13,9 @@ picks the fault:
   without the package's fence.
 - ``slow_send`` (a PD prefill): one KV send in ``DSV4_TEST_FAULT_SEND_EVERY`` (default 3) is posted
   ``DSV4_TEST_FAULT_SEND_DELAY_S`` (default 1.5) late, in the transfer worker, as a busy transport posts
-  it: a room the decode aborts in that window still has its write on the way.
+  it: a room the decode aborts in that window still has its write on the way. A run changes both while the
+  server serves through the file ``DSV4_TEST_FAULT_SEND_CONTROL`` names: while it exists, its ``every delay_s``
+  stand for the variables.
 - ``fence_off_all``: the same, and upstream's own per-layer wait too (``wait_layer_transfer`` of the
   DeepSeek-V4 pool, which its compressor-state and KV accessors take before the C4 indexer reads a layer):
   nothing orders a forward after the loads it reads, the race the fence exists for.
@@ -85,12 +87,22 @@ def _slow_send() -> None:
 
     every = int(os.environ.get("DSV4_TEST_FAULT_SEND_EVERY", "3"))
     delay_s = float(os.environ.get("DSV4_TEST_FAULT_SEND_DELAY_S", "1.5"))
+    control = os.environ.get("DSV4_TEST_FAULT_SEND_CONTROL", "")
     original = NixlKVManager.send_kvcache
     calls = itertools.count()
 
+    def knobs() -> tuple[int, float]:
+        try:
+            with open(control) as f:
+                e, d = f.read().split()
+            return int(e), float(d)
+        except (OSError, ValueError):  # no file (or none named): the variables
+            return every, delay_s
+
     def send_late(self, *args, **kwargs):
-        if next(calls) % every == 0:
-            time.sleep(delay_s)
+        e, d = knobs()
+        if next(calls) % e == 0:
+            time.sleep(d)
         return original(self, *args, **kwargs)
 
     NixlKVManager.send_kvcache = send_late
