@@ -433,6 +433,44 @@ def test_a_late_nixl_write_into_received_pages_fails_the_request_at_its_next_rer
     _finish(pd, s)
 
 
+def test_a_late_write_after_the_sampled_rereads_is_found_at_the_requests_last_forward(pd, sides):
+    """A late write that lands after a request's first re-read and before its last forward (its length bound
+    reached) is found by the re-read of that last forward; the verdict lands after the answer went out, so it
+    is counted and logged, and nothing is failed."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from dsv4_sm120.index_k import pd_late_writes
+    from tests.disagg.late_writes import FakeReq
+
+    sides(True, True)
+    s = pd.open(n_pages=6)
+    _transfer(pd, s)
+    assert s.receiver.poll() == KVPoll.Success
+    req = FakeReq(f"req-{s.room}", s.room, 0)
+    req.to_finish, req.output_ids, req.sampling_params = None, [7], SimpleNamespace(max_new_tokens=5)
+    req.finished = lambda: req.to_finish is not None
+    batch = _decode_forward(req)
+    before = dict(pd_late_writes.COUNTERS)
+    _forwards(batch, 1)  # the first forward's re-read: clean
+    late = pd.open(n_pages=2)
+    own = late.dst
+    late.dst = s.dst[2:4].copy()
+    _transfer(pd, late)  # lands after the first re-read, long before the sampled one (forward 16)
+    for _ in range(3):  # forwards 2-4; the fourth makes token 5 of 5, its re-read is queued
+        req.output_ids.append(7)
+        _forwards(batch, 1)
+    req.to_finish = "length"  # the answer went out
+    _forwards(_decode_forward(FakeReq("other", -1, 0)), 1)  # a later forward reads the verdict back
+    found = {k: pd_late_writes.COUNTERS[k] - before[k] for k in before}
+    assert found["pd_late_writes_total"] == 2 and found["pd_late_write_requests_failed_total"] == 0, found
+    assert req.to_finish == "length"
+    late.dst = own
+    _finish(pd, late)
+    _finish(pd, s)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_late_write_rereads_queue_without_a_host_wait_and_find_a_changed_page():

@@ -292,6 +292,10 @@ MUTATIONS: tuple[Mutation, ...] = (
       (E(INDEX_K + "pd_late_writes.py", "    changed = pd_rows.row_sums(rows, index) != baseline\n",
          "    changed = pd_rows.row_sums(rows, index) != pd_rows.row_sums(rows, index)\n"),),
       ("tests/index_k/test_pd_integrity.py::test_a_late_nixl_write_into_received_pages_fails_the_request_at_its_next_reread",)),
+    M("late-write-no-last-reread", "PD abort safety: a request's last forward re-reads its received pages",
+      (E(INDEX_K + "pd_late_writes.py", "            if rec.forwards % EVERY == 0 or _last_forward(req):\n",
+         "            if rec.forwards % EVERY == 0:\n"),),
+      ("tests/index_k/test_pd_integrity.py::test_a_late_write_after_the_sampled_rereads_is_found_at_the_requests_last_forward",)),
     M("verdicts-copied-blocking", "integrity mode: the verdicts' copy to the host only queues (CUDA branch)",
       (E(INDEX_K + "integrity.py", "    host.copy_(tensor, non_blocking=True)\n    landed = torch.cuda.Event()\n    landed.record()\n",
          "    host.copy_(tensor, non_blocking=True)\n    landed = torch.cuda.Event()\n    landed.record()\n"

@@ -9,15 +9,16 @@ nothing fails. With ``DSV4_SM120_INDEX_K_CHECKSUM=1`` the decode watches for it 
   its destination list but the last, which the request's own decode steps append to) in each
   registered KV buffer indexed by those pages: the bf16 index-K rows and the compressed KV rows of
   the same page numbers. Queued on the device's side stream; nothing waits.
-* **Re-read**, at the request's first decode forward and every :data:`EVERY` decode forwards after
-  it (an AROUND hook on ``Scheduler.run_batch``, before the forward is launched): the due requests'
-  pages are checksummed again, one gather and one checksum launch per buffer for the whole batch,
+* **Re-read**, at the request's first decode forward, every :data:`EVERY` decode forwards after
+  it, and its last one where its length bounds it (``max_new_tokens``) (an AROUND hook on
+  ``Scheduler.run_batch``, before the forward is launched): the due requests' pages are checksummed again, one gather and one checksum launch per buffer for the whole batch,
   compared with their baselines on the device, and the per-page verdicts go to pinned host memory
   behind an event. The current stream waits for the baselines' event on the device, never the host.
 * **Verdict**, at a later ``run_batch`` once the event has completed: a changed page is a late
   write. It is counted once per page and request (``sglang:dsv4_pd_late_writes_total``),
   logged with the room, request, page and buffer, and the request, when still running, is failed
-  with HTTP 500 naming them and the switch. Verdicts are rank-local: with more than one attention
+  with HTTP 500 naming them and the switch. The last forward's verdict lands after the answer went
+  out: it is counted and logged, the log saying so. Verdicts are rank-local: with more than one attention
   TP rank they are counted and logged, and the request is left to run (a rank-local abort would
   split the ranks' batches).
 
@@ -157,10 +158,16 @@ def _due(batch) -> list[tuple[Record, object]]:
             elif retractions != rec.retractions:  # retracted: its KV went elsewhere, the pages to others
                 del _records[rec.room]
                 continue
-            if rec.forwards % EVERY == 0:
+            if rec.forwards % EVERY == 0 or _last_forward(req):
                 out.append((rec, req))
             rec.forwards += 1
     return out
+
+
+def _last_forward(req) -> bool:
+    """Whether the forward about to run makes the request's last token (its length bound reached)."""
+    bound = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None)
+    return bound is not None and len(getattr(req, "output_ids", None) or ()) + 1 >= bound
 
 
 def check(batch) -> None:
@@ -224,9 +231,10 @@ def _late_write(rec: Record, req, found: list[tuple[int, int]], attn_tp_size: in
     pages = {page for _, page in found} - {page for _, page in rec.bad}  # a page counts once per request
     rec.bad.update(found)
     count("pd_late_writes_total", len(pages))
+    answered = " (its answer went out before this verdict)" if req.finished() else ""
     for b, page in found[:16]:
-        logger.error("PD late write: room=%s rid=%s page=%d %s changed after its receive completed",
-                     rec.room, req.rid, page, rec.names[b])
+        logger.error("PD late write: room=%s rid=%s page=%d %s changed after its receive completed%s",
+                     rec.room, req.rid, page, rec.names[b], answered)
     where = ", ".join(f"page {page} {rec.names[b]}" for b, page in found[:8])
     more = f" and {len(found) - 8} more" if len(found) > 8 else ""
     if attn_tp_size > 1 or req.finished():
