@@ -1,7 +1,7 @@
 """Cost of the collective guard per PD-loop iteration, on gloo, at TP = 2, 4, 8: the real patched loop.
 
 Runs upstream's REAL patched ``event_loop_overlap_disagg_prefill`` through the test harness
-(``tests/guard/pd_loop_harness.py``: no model, forward replaced by its TP all-reduces) with
+(``harness/pd_loop.py``: no model, forward replaced by its TP all-reduces) with
 ``queued`` requests waiting in the bootstrap queue, so every iteration does upstream's real request
 broadcast and bootstrap poll all-reduce, and calls ``get_next_disagg_prefill_batch_to_run`` (no
 batch forms). The same group alternates rounds with the guard switched off
@@ -38,7 +38,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
-    from tests.guard import pd_loop_harness as h
+    from harness import pd_loop as h
 
     load_start = os.getloadavg()
 

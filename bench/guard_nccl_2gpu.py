@@ -1,7 +1,7 @@
 """The collective guard with the forward's collectives on real NCCL, two GPU ranks.
 
 On 2 ranks, one process and one GPU each (``torch.cuda.set_device(rank)``), the pin's real patched
-overlap loops run through the patched-loop harness (``tests/guard/pd_loop_harness.py``; what is real
+overlap loops run through the patched-loop harness (``harness/pd_loop.py``; what is real
 and what is replaced is listed there): the scheduler's collectives on the real gloo CPU group, the
 ``run_batch`` stand-in's on an NCCL group of their own, shaped as a DeepSeek-V4-Flash TP forward
 (``ForwardShape``: per layer an all-reduce of [tokens, 4096] bf16 after attention and one after the
@@ -13,7 +13,7 @@ NVSHMEM_DISABLE_NVLS=1) and in this process.
 
 (a) guard off (``DSV4_SM120_COLLECTIVE_GUARD=0``: the patched loops run upstream's code) and (b) guard
 on, over every injection point of ``bench/guard_injection_points.py`` at commit 6022e83 (removed since;
-``pd_loop_harness.POINTS``: one divergence on rank 1 in an ``at_point`` scenario): per scenario whether it reconciled, hung
+``harness.pd_loop.POINTS``: one divergence on rank 1 in an ``at_point`` scenario): per scenario whether it reconciled, hung
 (located: per rank the collective and group it sat in, its main-thread stack, NCCL's flight
 recorder entries not completed, NCCL's own timeout lines), was ended by the watchdog, or
 desynchronised silently (the ranks' forward collectives paired across different batches). Guard-off
@@ -60,7 +60,7 @@ no sglang, pyzmq or flashinfer, and no network. On a networked machine, at the c
 
      then commit the JSON (and the log) under ``bench/results/guard/``. ``--standins`` serves
      ``sgl_kernel`` and ``deep_gemm`` (not loadable on torch 2.11, never called by the harness) with
-     the top-k run's raising stand-ins (``tests/kernels/topk_standins.py``), and any other module the chain
+     the top-k run's raising stand-ins (``harness/topk_standins.py``), and any other module the chain
      misses there likewise, each named in the JSON's ``standins``; pyzmq is never stood in. Duration,
      estimated (never run on two GPUs): 4-6 minutes (each group's ranks import sglang; 20 guard-off groups,
      4 at a time). To run it in pieces, or when a run stops early (the JSON holds the parts that finished),
@@ -88,7 +88,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench import run_record
-from tests.kernels import topk_standins
+from harness import topk_standins
 
 STANDINS_ENV = "DSV4_GUARD_BENCH_STANDINS"  # the stand-ins a --standins run installed, for its spawned ranks
 GUARD_SWITCH = "DSV4_SM120_COLLECTIVE_GUARD"
@@ -161,7 +161,7 @@ def _fatal_frame(faulthandler_text: str) -> str | None:
         return None
     import re
 
-    from tests.guard import pd_loop_harness as h
+    from harness import pd_loop as h
 
     for block in faulthandler_text.split("\n\n"):
         if "_run_loop" in block:  # innermost first; torch's frames and the trace's wrapper skipped
@@ -219,8 +219,8 @@ def scenario_row(case, res: dict, seed: int, world: int, guard_on: bool, seconds
 
 # ---- (a), (b), (c) ---------------------------------------------------------------------------------
 def cases(only: str | None = None) -> list[tuple[str, str, str]]:
-    """Every (loop, point, kind) of ``pd_loop_harness.POINTS``, or those ``--cases`` names."""
-    from tests.guard import pd_loop_harness as h
+    """Every (loop, point, kind) of ``harness.pd_loop.POINTS``, or those ``--cases`` names."""
+    from harness import pd_loop as h
 
     every = [(loop, point, kind) for loop, points in h.POINTS.items() for point, kinds in points.items()
              for kind in kinds]
@@ -229,7 +229,7 @@ def cases(only: str | None = None) -> list[tuple[str, str, str]]:
 
 def guard_off(args, forward, watch) -> list[dict]:
     """One fresh group per scenario (a hang ends the group), ``--parallel`` groups at a time."""
-    from tests.guard import pd_loop_harness as h
+    from harness import pd_loop as h
 
     def one(case):
         started = time.monotonic()
@@ -250,7 +250,7 @@ def guard_off(args, forward, watch) -> list[dict]:
 def guard_on(args, forward, watch) -> list[dict]:
     """Every scenario in one group; a group stops at its first scenario that does not reconcile, and
     the scenarios after it go on in a fresh group."""
-    from tests.guard import pd_loop_harness as h
+    from harness import pd_loop as h
 
     todo, rows = list(enumerate(cases(args.cases))), []
     while todo:
@@ -276,7 +276,7 @@ def guard_on(args, forward, watch) -> list[dict]:
 
 def cost(args, forward, watch) -> dict:
     """Alternating guard-off / guard-on rounds of a steady decode scenario, one group, in one run."""
-    from tests.guard import pd_loop_harness as h
+    from harness import pd_loop as h
 
     jobs = []
     for _ in range(args.rounds):
@@ -364,7 +364,7 @@ def main() -> int:
     args.parallel = args.parallel or (4 if args.backend == "nccl" else 1)
     parts = set(args.parts.split(","))
 
-    from tests.guard import pd_loop_harness as h
+    from harness import pd_loop as h
 
     os.environ.update(h.MULTICAST_OFF)  # this process too, and every rank it starts (rank_env)
     standins = standins_for_missing() if args.standins else []

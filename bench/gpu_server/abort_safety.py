@@ -55,7 +55,7 @@ from pathlib import Path
 
 from bench.gpu_server import incident, models, pd, traffic
 from bench.gpu_server.servers import ServerSpec, Started, free_port, start
-from tests.e2e import checks, cluster, scrape
+from harness import checks, cluster, scrape
 
 FAULT_EVERY, FAULT_DELAY_S = 3, 1.5
 RELEASE_TIMEOUT_S = 1
@@ -71,6 +71,10 @@ TARGETS = {
                   "DSV4_SM120_COLLECTIVE_GUARD": "0"},
     "defaults": {f"{DEFERRED}_TIMEOUT": str(RELEASE_TIMEOUT_S)},
 }
+# a run of some targets only (a GPU host with less time): DSV4_GPU_ABORT_TARGETS=control,defaults
+ONLY = [t for t in os.environ.get("DSV4_GPU_ABORT_TARGETS", "").split(",") if t]
+# the top-k lane alone (no graph decode, router, kills or sessions): DSV4_GPU_ABORT_LANE_ONLY=1
+LANE_ONLY = os.environ.get("DSV4_GPU_ABORT_LANE_ONLY", "0") == "1"
 EVERY_SERVER = {"DSV4_SM120_INDEX_K_CHECKSUM": "1"}
 # the top-k lane (see the module doc)
 LANE_POOL = 4096  # tokens: one lane request (PROBE_TOKENS + PROBE_NEW) fits, two do not
@@ -121,6 +125,8 @@ def start_trio(tag: str, switches: dict, models_root: Path, tokenizer: Path, log
     roles = [("prefill", "prefill_slow", p_fields, p_args, _fault_env(control)),
              ("prefill", "prefill_b", p_fields, p_args, {}), ("decode", "decode", d_fields, d_args, {}),
              ("decode", "decode_topk", *LANE_SHAPE, lane_env)]
+    if LANE_ONLY:
+        del roles[2]
     try:
         for mode, role, fields, args, extra in roles:
             boots.append(free_port())
@@ -131,9 +137,11 @@ def start_trio(tag: str, switches: dict, models_root: Path, tokenizer: Path, log
         for s in started:
             s.proc.stop()
         raise
-    slow, other, decode, lane = (s.proc for s in started)
+    procs = [s.proc for s in started]
+    slow, other, lane = procs[0], procs[1], procs[-1]
+    decode = lane if LANE_ONLY else procs[2]
     fix = " ".join(f"{k}={v}" for k, v in switches.items()) or "default"
-    c = cluster.Cluster(pd.processes.ServerSet([slow, other, decode, lane]), front="", prefill=slow, decode=decode,
+    c = cluster.Cluster(pd.processes.ServerSet(procs), front="", prefill=slow, decode=decode,
                         bootstrap_port=boots[0], tp=1, switches=dict(switches))
     return pd.Pair(f"_{tag}", fix, started, c), Side(other, boots[1], lane, control)
 
@@ -265,6 +273,8 @@ def reference_probes(pair: pd.Pair, res: dict) -> None:
 def run_target(pair: pd.Pair, side: Side, log_dir: Path, work: Path, res: dict) -> None:
     """One target's traffic into ``res`` (an exception is its ``error``; the figures so far stay)."""
     try:
+        if LANE_ONLY:
+            return lane_only(pair, side, res)
         serve(pair, side, log_dir)
         before = counters(pair, side)
         stream = _stream(pair, work, STREAM_S)
@@ -304,6 +314,23 @@ def _rows_differing(p: dict, q: dict) -> int:
     return sum(p["selections"][row] != q["selections"][row] for row in p["selections"] if row in q["selections"])
 
 
+def lane_only(pair: pd.Pair, side: Side, res: dict) -> None:
+    """The top-k lane alone: its rounds, then the counters and log lines of its servers."""
+    pair.healthy.result()
+    before = counters(pair, side)
+    res["lane_rounds"], res["probes"] = [], []
+    for r in range(1, LANE_ROUNDS + 1):
+        figures, probes = lane_round(pair, side, r)
+        res["lane_rounds"].append(figures)
+        res["probes"] += probes
+    after = counters(pair, side)
+    res["counter_deltas"] = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(set(before) | set(after))
+                             if after.get(k, 0.0) != before.get(k, 0.0) or "late_write" in k}
+    res["decode_log"] = {side.lane.name: pd._log_lines(side.lane, "PD late write", "quarantined",
+                                                       "PD late-write check", keep=12)}
+    res["dead_after"] = pair.cluster.servers.dead()
+
+
 def compare_probes(results: dict, reference: dict) -> None:
     """Each lane's probes against the reference's (``topk_vs_reference``, and the probes whose rows differ),
     then the selections themselves leave the record."""
@@ -327,17 +354,22 @@ def run(models_root: Path, log_dir: Path, startup_timeout: float, servers: dict,
     """Start every target's four servers and the reference pair, run each target's traffic at once (the
     reference serves the probes meanwhile), compare the probes, stop all."""
     work, tokenizer = pd.prepare(log_dir, out)
-    out["shared_gpu"] = f"{len(TARGETS)} targets of four servers each and a reference pair, at once on one GPU"
+    out["shared_gpu"] = f"{len(ONLY or TARGETS)} targets of four servers each and a reference pair, at once on one GPU"
     out["fault"] = {"name": "slow_send", "every": FAULT_EVERY, "delay_s": FAULT_DELAY_S, "on": "the first prefill",
                     "lane": {"every": 1, "delay_s": LANE_DELAY_S}}
     out["lane"] = {"pool_tokens": LANE_POOL, "probe_tokens": PROBE_TOKENS, "probe_new_tokens": PROBE_NEW,
                    "victims": VICTIMS, "rounds": LANE_ROUNDS, "probes_per_round": PROBES_PER_ROUND,
                    "cut_after_s": CUT_AFTER_S, "rows_compared_from": SELECTIVE_FROM,
                    "late_write_check_on_lane": LANE_CHECKED}
+    unknown = set(ONLY) - set(TARGETS)
+    if unknown:
+        raise ValueError(f"DSV4_GPU_ABORT_TARGETS names {sorted(unknown)}; the set has {list(TARGETS)}")
     pairs: list[pd.Pair] = []
     sides: dict[str, Side] = {}
     try:
         for tag, switches in TARGETS.items():
+            if ONLY and tag not in ONLY:
+                continue
             pair, sides[f"_{tag}"] = start_trio(tag, switches, models_root, tokenizer, log_dir, mem_fraction)
             pairs.append(pair)
             servers.update(pair.launches())

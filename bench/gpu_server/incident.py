@@ -32,7 +32,7 @@ from pathlib import Path
 
 from bench.gpu_server import pd
 from bench.gpu_server.servers import wait_healthy
-from tests.e2e import checks, cluster, scrape
+from harness import checks, cluster, scrape
 
 KILLS, KILL_AFTER_S, FRESH_TIMEOUT_S = 5, 8.0, 180.0
 # On an H200 the first round's agent had sent nothing 8 s after its start (the servers held nothing at the kill):

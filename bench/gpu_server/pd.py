@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.gpu_server.servers import ServerSpec, Started, free_port, launch_line, processes, start, wait_healthy
-from tests.e2e import checks, cluster, decode_kill, hostile, storm, tiny_model
+from harness import checks, cluster, decode_kill, hostile, storm, tiny_model
 
 CLI = [sys.executable, "-m", "dsv4_sm120.cli"]  # dsv4-sm120: the bundle carries the package, not its console script
 PROMPT_WORDS = 700  # ~2,700 tokens in DeepSeek-V4's chat encoding with the tokenizer below

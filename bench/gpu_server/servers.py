@@ -15,7 +15,7 @@ run adds beyond that is here, in :data:`BASE_ENV` and :func:`ServerSpec.argv`, w
   requests carry token ids. A spec with a ``tokenizer`` gets ``--tokenizer-path`` instead (the ``pd`` set,
   whose clients are the CPU end-to-end suite's chat clients).
 
-Processes are started and stopped through ``tests/e2e/servers.py`` (free loopback ports, own session,
+Processes are started and stopped through ``harness/servers.py`` (free loopback ports, own session,
 bounded start and stop by PID, logs kept), the same code the CPU end-to-end suite uses, imported by its
 full name: ``python -m bench.gpu_server`` from the repository root puts the checkout first on the path,
 so a package named ``tests`` on a GPU host's image cannot stand in for the suite's.
@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.e2e import servers as processes
+from harness import servers as processes
 
 LOOPBACK, Proc, free_port, log_tail = processes.LOOPBACK, processes.Proc, processes.free_port, processes.log_tail
 

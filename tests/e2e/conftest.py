@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e import cluster as cluster_mod
-from tests.e2e import environment, results
-from tests.e2e.servers import log_tail
+from harness import cluster as cluster_mod
+from harness import environment
+from harness.servers import log_tail
+from tests.e2e import results
 
 E2E_DIR = Path(__file__).resolve().parent
 
@@ -62,7 +63,7 @@ def e2e_env(tmp_path_factory) -> environment.E2EEnv:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from tests.e2e.tiny_model import write_tiny_llama
+    from harness.tiny_model import write_tiny_llama
 
     return write_tiny_llama(_root(tmp_path_factory) / "tiny-llama")
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
+from harness.storm import run_and_check
 from tests.e2e import results
-from tests.e2e.storm import run_and_check
 
 
 def test_abort_storm_through_the_router_recovers_and_leaks_nothing(pd, e2e_env, tmp_path, record):

@@ -14,9 +14,10 @@ import socket
 import time
 from urllib.parse import urlparse
 
-from tests.e2e import checks, results
-from tests.e2e.cluster import chat
-from tests.e2e.servers import http
+from harness import checks
+from harness.cluster import chat
+from harness.servers import http
+from tests.e2e import results
 
 
 def _chat_body(**extra) -> dict:

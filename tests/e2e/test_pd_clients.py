@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from tests.e2e import checks, scrape
+from harness import checks, scrape
 
 
 def test_toolcall_check_on_a_random_model_is_inconclusive(pd, e2e_env, tmp_path, record):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e import cluster as cluster_mod
+from harness import cluster as cluster_mod
+from harness.decode_kill import kill_decode_mid_storm
 from tests.e2e import results
-from tests.e2e.decode_kill import kill_decode_mid_storm
 
 CLIENT = ("--cancel-after", "20", "--prompt-words", "300", "--storm-max-tokens", "2048", "--deadline", "30")
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import random
 
-from tests.e2e import checks, hostile, results
+from harness import checks, hostile
+from tests.e2e import results
 
 EXPECTED_REJECTS = {  # reason label -> at least this many (per rank)
     "unknown tag": 2,

@@ -16,9 +16,10 @@ import time
 
 import pytest
 
-from tests.e2e import checks, results
-from tests.e2e.cluster import chat
-from tests.e2e.servers import http
+from harness import checks
+from harness.cluster import chat
+from harness.servers import http
+from tests.e2e import results
 
 HEALTH_TIMEOUT_S = 10
 ROUTER_ARGS = ["--health-check-interval-secs", "5", "--health-failure-threshold", "2", "--health-check-timeout-secs", "5"]

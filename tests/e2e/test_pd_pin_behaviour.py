@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from tests.e2e import checks, hostile
-from tests.e2e.storm import run_and_check
-from tests.e2e.traffic import burst
+from harness import checks, hostile
+from harness.storm import run_and_check
+from harness.traffic import burst
 
 KEY = "pd-tp1-hardening-off"
 OFF = {"DSV4_SM120_NIXL_HARDENING": "0"}

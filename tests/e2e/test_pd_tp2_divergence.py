@@ -17,9 +17,10 @@ import time
 
 import pytest
 
-from tests.e2e import checks, results, scrape
-from tests.e2e.cluster import chat
-from tests.e2e.traffic import burst
+from harness import checks, scrape
+from harness.cluster import chat
+from harness.traffic import burst
+from tests.e2e import results
 
 
 def _inject_and_send(c, fault_dir, role: str) -> tuple[int, bytes, str, float]:

@@ -424,7 +424,7 @@ def test_the_sets_agent_turns_render_in_dsv4s_chat_encoding_within_the_servers_c
 
 
 def test_a_release_is_timed_when_it_happens_and_not_when_the_wait_gives_up(monkeypatch):
-    from tests.e2e import checks
+    from harness import checks
 
     held = iter([{"rooms@prefill": 2.0}, {"rooms@prefill": 1.0}, {}])
     monkeypatch.setattr(checks, "leftovers", lambda cluster, only=None: next(held))
@@ -450,6 +450,26 @@ def test_an_agents_run_of_some_targets_starts_only_those(standins, monkeypatch, 
     assert set(record["results"]["server_side"]["prefill"]) == {"hc_bf16", "hc_bf16_checksum"}
     assert set(record["results"]["profiles"]) == {"hc_bf16", "hc_bf16_checksum"}
     assert all("error" in p for p in record["results"]["profiles"].values())
+
+
+def test_the_abort_safety_lane_alone_starts_no_graph_decode_and_still_compares_its_probes(standins, monkeypatch,
+                                                                                          tmp_path):
+    from bench.gpu_server import abort_safety
+
+    for name, value in {"LANE_ONLY": True, "ONLY": ["control", "defaults"], "LANE_ROUNDS": 1, "PROBES_PER_ROUND": 2,
+                        "PROBE_TOKENS": 8, "PROBE_NEW": 3, "VICTIMS": 1, "VICTIM_WAIT_S": 0.3, "CUT_AFTER_S": 0.1,
+                        "SELECTIVE_FROM": 0}.items():
+        monkeypatch.setattr(abort_safety, name, value)
+    out = tmp_path / "abort_safety.json"
+    assert run.main(["abort_safety", "--out", str(out), "--bundle", str(tmp_path), "--startup-timeout", "30"]) == 0
+    record = json.loads(out.read_text())
+    targets, servers = record["results"]["targets"], record["servers"]
+    assert set(targets) == {"control", "defaults"}
+    assert {n for n in servers if n.startswith(("decode", "router"))} == {
+        "decode_topk_control", "decode_topk_defaults", "decode_reference"}
+    assert all("error" not in res and "kills" not in res for res in targets.values()), targets
+    assert [(p["round"], p["i"]) for p in targets["control"]["probes_differing"]] == [(1, 0)]
+    assert targets["defaults"]["probes_differing"] == [] and targets["defaults"]["topk_vs_reference"]["requests"] == 2
 
 
 def test_run_abort_safety_records_every_target_with_two_prefills_and_the_fault_on_the_first(standins, monkeypatch,

@@ -196,9 +196,9 @@ def test_upstream_poll_reduction_goes_through_the_guards_shared_memory():
     """Upstream's real ``poll_and_all_reduce`` with the plugin's hook applied, on 3 gloo ranks."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from tests.guard import pd_loop_harness
+    from harness import pd_loop
 
-    pd_loop_harness._apply_guard_hooks()
+    pd_loop._apply_guard_hooks()
     assert "sglang.srt.disaggregation.utils._all_reduce_polls" in HookRegistry._patched
     world = 3
     expected = [min((r + 2) % 5 for r in range(world)), 4 - (world - 1), 3]

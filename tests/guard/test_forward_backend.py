@@ -4,7 +4,7 @@ run of ``bench/guard_nccl_2gpu.py`` relies on, short of NCCL itself.
 The pin's real patched loops run on 2 forked gloo ranks as in ``test_overlap_loops``; ``run_batch``'s
 stand-in issues a DeepSeek-V4-Flash-shaped TP forward (the pin's hidden size and vocabulary, bf16;
 2 layers instead of 43 to keep the test short) on a forward group of its own, beside the
-scheduler's gloo group. What is replaced and why: see ``pd_loop_harness``. NCCL is what this
+scheduler's gloo group. What is replaced and why: see ``harness.pd_loop``. NCCL is what this
 machine cannot run (no GPU); the gloo forward group takes its place, and the scheduler group's
 timeout is set past the watchdog's, so, as with NCCL waiting on a missing peer, only the watchdog
 can end the hang.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.guard import pd_loop_harness as H
+from harness import pd_loop as H
 
 SCHEDULER = "scheduler gloo (TP CPU group)"
 FORWARD = "forward gloo"

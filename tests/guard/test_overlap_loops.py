@@ -1,6 +1,6 @@
 """The REAL patched PD loops of sglang 0.5.23 (overlap and normal) on 2 and 4 gloo ranks, without a model.
 
-See ``pd_loop_harness`` for exactly what is real and what is replaced (and why). The pytest process
+See ``harness.pd_loop`` for exactly what is real and what is replaced (and why). The pytest process
 imports sglang once and loads the pristine and patched loops from COPIES of the pinned files (so
 the venv's own patch state does not matter); every group of ranks is forked from it and runs many
 scenarios on one gloo group. Divergence is injected at every point of an iteration where rank-local
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.guard import pd_loop_harness as H
+from harness import pd_loop as H
 
 GUARD_MSG = "dsv4-sm120 collective guard"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.guard import pristine
+from harness import pristine
 from dsv4_sm120 import patching, pin
 
 FILES = pristine.FILES

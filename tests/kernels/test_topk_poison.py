@@ -139,7 +139,7 @@ def cpu_kind(request, monkeypatch):
 @pytest.fixture
 def cuda_kind(request, monkeypatch):
     """A backend with the pin's CUDA kernels; stand-ins only for what cannot load (see the module doc)."""
-    from tests.kernels import topk_standins
+    from harness import topk_standins
 
     topk_standins.install_missing()
     from sglang.srt.environ import envs

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.kernels import topk_standins
+from harness import topk_standins
 
 TESTS = Path(__file__).with_name("test_topk_poison.py")
 
@@ -44,7 +44,7 @@ def header() -> None:
     print(f"python {platform.python_version()}, torch {torch.__version__}, triton {triton.__version__}")
     versions = ", ".join(f"{d} {metadata.version(d)}" for d in ("sglang", "flashinfer-python", "apache-tvm-ffi"))
     print(f"pin packages: {versions}")
-    print(f"stand-ins (tests/kernels/topk_standins.py): {', '.join(topk_standins.install_missing()) or 'none'}")
+    print(f"stand-ins (harness/topk_standins.py): {', '.join(topk_standins.install_missing()) or 'none'}")
 
     start = time.perf_counter()
     import flashinfer.topk

@@ -19,8 +19,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.e2e.environment import E2EEnv
-from tests.e2e.servers import LOOPBACK, Proc, ServerFailed, ServerSet, free_port, http
+from harness.environment import E2EEnv
+from harness.servers import LOOPBACK, Proc, ServerFailed, ServerSet, free_port, http
 
 SERVER_FLAGS = [
     "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--load-format", "dummy",

@@ -17,9 +17,9 @@ import time
 import numpy as np
 import zmq
 
-from tests.e2e import checks, scrape
-from tests.e2e.servers import LOOPBACK, http
-from tests.e2e.traffic import Traffic, burst
+from harness import checks, scrape
+from harness.servers import LOOPBACK, http
+from harness.traffic import Traffic, burst
 
 # Seconds of chats through the front before the frames, and after them before the chats stop.
 TRAFFIC_BEFORE_S, TRAFFIC_AFTER_S = 2.0, 3.0

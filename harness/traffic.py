@@ -6,7 +6,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.e2e.cluster import chat
+from harness.cluster import chat
 
 
 class Traffic:

@@ -29,8 +29,8 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-TESTKIT = Path(__file__).resolve().parent / "cpu_testkit"
+REPO = Path(__file__).resolve().parents[1]
+TESTKIT = REPO / "tests" / "e2e" / "cpu_testkit"
 
 
 class EnvironmentFailed(RuntimeError):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 
-from tests.e2e import checks
-from tests.e2e.cluster import chat
+from harness import checks
+from harness.cluster import chat
 
 SESSIONS, ROUNDS = 80, 3
 # storm-client's options on the CPU sets (2 shared cores): short prompts, a generous recovery deadline

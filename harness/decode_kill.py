@@ -9,9 +9,9 @@ from __future__ import annotations
 import subprocess
 import time
 
-from tests.e2e import checks
-from tests.e2e.cluster import wait_serving
-from tests.e2e.servers import ServerFailed
+from harness import checks
+from harness.cluster import wait_serving
+from harness.servers import ServerFailed
 
 
 def kill_decode_mid_storm(cli: list[str], c, out_path, client: tuple, kill_after_s: float, startup_s: float,

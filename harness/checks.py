@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 
-from tests.e2e import scrape
-from tests.e2e.servers import http
+from harness import scrape
+from harness.servers import http
 
 # Upstream gauges that must be 0 on an idle PD server (sglang 0.5.23 scheduler metrics).
 IDLE_ZERO = (

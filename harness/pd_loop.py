@@ -1182,7 +1182,7 @@ def prepare_loops(tmp: str) -> None:
     """
     from pathlib import Path
 
-    from tests.guard import pristine
+    from harness import pristine
 
     pristine.pristine_tree(Path(tmp) / "pristine")
     pristine.patched_tree(Path(tmp) / "patched")
@@ -1198,7 +1198,7 @@ def load_loops(tmp: str) -> None:
     import sglang.srt.disaggregation.prefill as pre
     from sglang.srt.managers.scheduler import Scheduler  # noqa: F401 - imports the mixins first
 
-    from tests.guard import pristine
+    from harness import pristine
 
     trees = {"upstream": Path(tmp) / "pristine", "patched": Path(tmp) / "patched"}
     for which, root in trees.items():

@@ -35,7 +35,7 @@ class Absent:
         return Absent(f"{self._name}.{attr}")
 
     def __call__(self, *args, **kwargs):
-        raise RuntimeError(f"{self._name} is a test stand-in (tests/kernels/topk_standins.py); it cannot run here")
+        raise RuntimeError(f"{self._name} is a test stand-in (harness/topk_standins.py); it cannot run here")
 
     def __repr__(self) -> str:
         return f"<stand-in {self._name}>"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from tests.e2e.servers import http
+from harness.servers import http
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

@@ -1,0 +1,5 @@
+"""What the tests and the benchmarks share: starting and stopping servers (``servers``), the PD cluster behind
+the router (``cluster``), the checks and traffic of the PD scenarios (``checks``, ``scrape``, ``storm``,
+``hostile``, ``decode_kill``, ``traffic``), the tiny checkpoint (``tiny_model``), the CPU environment
+(``environment``), the pin's loops on forked gloo ranks (``pd_loop``, ``pristine``) and the top-k stand-ins
+(``topk_standins``). Tests and benchmarks import it; it imports neither."""
