@@ -168,7 +168,7 @@ def layer_section(pool, gen):
 def repeated_layer_section(pool, gen, repeats: int) -> list[dict]:
     """:func:`layer_section` ``repeats`` times, one sweep of every shape after the other. A host's speed moves
     from run to run (four runs on one H100, 1 x 4k: 18.3, 25.4, 32.6 and 45.6 us added per step,
-    bench/results/kernels/indexer_h100_2026-12-06_eager_pin_3624797_run*.json), so one sweep's figure is a draw:
+    bench/results/kernels/indexer_h100_2026-12-06_eager_pin_3624797_run*.json, in git history), so one sweep's figure is a draw:
     each shape's row is the sweep with the median per-step figure, with every sweep's figure beside it
     (``host_added_per_step_us_runs``), which the verdict reads as the spread."""
     sweeps = [layer_section(pool, gen) for _ in range(max(1, repeats))]

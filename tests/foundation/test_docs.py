@@ -1,14 +1,17 @@
-"""The README and docs/ point only at what exists, and name every switch and every metric.
+"""The README and docs/ point only at what exists, and name every switch and every metric; bench/results stays small.
 
 Why: the README is an operator's front page and docs/ holds the evidence behind it. A result file moved
 or renamed, a switch added to settings.py or a collector added to metrics.py must fail here, not leave a
-document citing nothing or silent about a knob. Pure text checks (and git, for a path cited as it was at a
-commit) plus two modules of the package (``settings``, ``metrics``) that import no sglang, so this runs in
-well under a second.
+document citing nothing or silent about a knob. bench/results/README.md is generated from the topics'
+headlines.csv (``bench.results_page``): a CSV edited without regenerating it, a row naming a record that is
+gone, or the folder growing past its budget fails here too. Pure text checks (and git, for a path cited as it
+was at a commit) plus two modules of the package (``settings``, ``metrics``) that import no sglang, so this
+runs in well under a second.
 """
 
 from __future__ import annotations
 
+import csv
 import itertools
 import re
 import shutil
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import results_page
 from dsv4_sm120 import metrics, settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,8 +28,11 @@ README = REPO / "README.md"
 DOCS = sorted((REPO / "docs").glob("*.md"))
 INDEX = REPO / "bench" / "results" / "README.md"
 RESULTS = REPO / "bench" / "results"
-# Each topic folder's table of headline figures over time (current records by path, superseded ones by commit).
-HEADLINES = "HEADLINES.md"
+# Each topic folder's current headline figures, one row a figure, naming its record.
+TOPIC_CSV = "headlines.csv"
+TOPIC_CSV_HEADER = "figure,value,spread,baseline,device,date,commit,record"
+MAX_RESULT_FILES = 40
+MAX_RESULT_BYTES = 5 * 1024 * 1024
 
 # A repository path as the documents write it: from a top-level folder, not inside another path.
 PATH = re.compile(r"(?<![\w./$-])((?:src|tests|bench|docs|patches|\.ci)/[\w./*{},<>$-]*)")
@@ -39,13 +46,15 @@ METRIC = re.compile(r"sglang:dsv4_\w+(?![\w<])")
 
 
 def _cited_docs() -> list[Path]:
-    return [README, *DOCS, INDEX, *sorted(RESULTS.glob(f"*/{HEADLINES}"))]
+    return [README, *DOCS, INDEX]
 
 
 def _expand(path: str) -> list[str]:
-    """``a_{x,y}.json`` -> both names; a placeholder (``<date>``, ``$(date ...)``, ``DATE``) -> a glob."""
+    """``a_{x,y}.json`` -> both names; a path with a placeholder (``<date>``, ``$(date ...)``, ``DATE``) is where a
+    run writes -> its folder."""
     path = path.rstrip(".,;:)")
-    path = re.split(r"[<$]|DATE", path)[0] + ("*" if re.search(r"[<$]|DATE", path) else "")
+    if re.search(r"[<$]|DATE", path):
+        path = re.split(r"[<$]|DATE", path)[0].rpartition("/")[0] + "/"
     parts = re.split(r"\{([^{}]*)\}", path)
     fixed, choices = parts[0::2], [p.split(",") for p in parts[1::2]]
     return ["".join(itertools.chain.from_iterable(itertools.zip_longest(fixed, pick, fillvalue="")))
@@ -91,32 +100,34 @@ def test_every_result_file_named_by_its_tail_exists():
     assert not missing, "no file in bench/results ends so:\n" + "\n".join(missing)
 
 
-def _index_rows() -> dict[str, set[str]]:
-    """bench/results/README.md: topic folder -> the file names its table lists (braces expanded)."""
-    rows: dict[str, set[str]] = {}
-    for section in INDEX.read_text().split("\n## ")[1:]:
-        folder = section.split(" ", 1)[0].rstrip("/")
-        first_cells = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
-        rows[folder] = {name for cell in first_cells for raw in re.findall(r"`([^`]+)`", cell) for name in _expand(raw)}
-    return rows
+def _written_at_run_time(path: Path) -> bool:
+    return f"{path.relative_to(REPO).as_posix()}/".startswith(WRITTEN_AT_RUN_TIME)
 
 
-def test_the_results_index_lists_every_file_and_only_files_that_exist():
-    rows = _index_rows()
-    for folder in sorted(p for p in RESULTS.iterdir() if p.is_dir()):
-        on_disk = {p.name for p in folder.iterdir() if p.is_file() and p.name not in {".gitkeep", HEADLINES}}
-        listed = rows.get(folder.name)
-        assert listed is not None, f"bench/results/{folder.name}/ has no section in bench/results/README.md"
-        assert listed <= on_disk, f"listed in the index, not in bench/results/{folder.name}/: {sorted(listed - on_disk)}"
-        if listed:  # a folder described as a whole (the GPU serving runs) lists no rows
-            assert on_disk <= listed, f"in bench/results/{folder.name}/, not in the index: {sorted(on_disk - listed)}"
-    for folder in sorted(p for p in RESULTS.iterdir() if p.is_dir() and any(p.iterdir())):
-        if folder.name in rows and rows[folder.name]:
-            assert (folder / HEADLINES).is_file(), f"bench/results/{folder.name}/ has no {HEADLINES}"
-            assert f"`bench/results/{folder.name}/{HEADLINES}`" in INDEX.read_text(), \
-                f"bench/results/README.md does not point at bench/results/{folder.name}/{HEADLINES}"
+def test_the_results_page_is_what_the_csvs_give():
+    assert INDEX.read_text() == results_page.render(), "bench/results/README.md is stale: python -m bench.results_page"
+
+
+def test_every_topic_has_a_headlines_csv_with_the_columns_and_existing_records():
+    topics = sorted(p for p in RESULTS.iterdir() if p.is_dir() and not _written_at_run_time(p))
+    assert topics, "bench/results has no topic folder"
+    for topic in topics:
+        table = topic / TOPIC_CSV
+        assert table.is_file(), f"bench/results/{topic.name}/ has no {TOPIC_CSV}"
+        with table.open(newline="") as f:
+            assert f.readline().rstrip("\n") == TOPIC_CSV_HEADER, f"{table.relative_to(REPO)}: not the header {TOPIC_CSV_HEADER}"
+            missing = [row["record"] for row in csv.DictReader(f, fieldnames=TOPIC_CSV_HEADER.split(","))
+                       if not (REPO / row["record"]).is_file()]
+        assert not missing, f"{table.relative_to(REPO)} names records that do not exist: {missing}"
     loose = [p.name for p in RESULTS.iterdir() if p.is_file() and p.name != "README.md"]
     assert not loose, f"result files outside a topic folder: {loose}"
+
+
+def test_bench_results_stays_within_its_budget():
+    files = [p for p in RESULTS.rglob("*") if p.is_file() and not _written_at_run_time(p)]
+    size = sum(p.stat().st_size for p in files)
+    assert len(files) <= MAX_RESULT_FILES, f"bench/results holds {len(files)} files, more than {MAX_RESULT_FILES}"
+    assert size <= MAX_RESULT_BYTES, f"bench/results holds {size / 2**20:.1f} MiB, more than {MAX_RESULT_BYTES / 2**20:.0f}"
 
 
 def test_the_readme_links_every_document():

@@ -53,7 +53,7 @@ def test_hicache_with_bf16_keys_lowers_ttft_at_high_concurrency(record):
 def test_the_pd_fixes_cost_at_most_one_percent_of_throughput(record):
     # Two PD pairs of one configuration on one H100 came out 5% apart, the one started first (and visited second)
     # the slower
-    # (bench/results/gpu_serving/gpu_serving_h100_2026-12-06_lowhighc_pd_floor_7b5135b.json): a run that started
+    # (bench/results/gpu_serving/gpu_serving_h100_2026-12-06_lowhighc_pd_floor_7b5135b.json, in git history): a run that started
     # the pairs one way only cannot hold a 1% bar.
     assert agents.started_both_ways(record.get("start_order") or [], "pd", "pd_fixes_off"), (
         "the PD pairs were not started both ways round: run with DSV4_GPU_AGENT_STARTS=2 (or ALONE=1 and STARTS=4)")

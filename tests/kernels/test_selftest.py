@@ -1,7 +1,7 @@
 """``dsv4-sm120 doctor --selftest`` without a GPU says so, and the selftest imports no sglang.
 
 The GPU side (each kernel once against its torch reference) ran on an H200 (sm_90); its output is kept
-in bench/results/kernels/indexer_h200_2026-12-01.json under ``selftest``.
+in bench/results/kernels/indexer_h200_2026-12-01_triton38_0e1fcec.json under ``selftest``.
 """
 
 from __future__ import annotations
