@@ -408,6 +408,9 @@ MANIFEST: tuple[Touch, ...] = (
         "hicache",
         "Integrity mode notes each index-K load for the forward that reads it (checked at the C4 indexer's read).",
     ),
+    Touch("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache._all_reduce_attn_groups", "calls", "hicache",
+          "Integrity mode MAX-reduces each request's verdict over the groups HiCache reduces its load counts on, "
+          "so every TP rank fails the same requests."),
     Touch(
         "sglang.srt.mem_cache.hicache_storage.PoolName.DEEPSEEK_V4_C4_INDEXER",
         "calls",

@@ -95,8 +95,10 @@ def _agree(tree_cache, findings: list[list[CorruptPage]]) -> list[list[CorruptPa
     """
     import torch
 
+    if not findings:
+        return findings
     reduce = getattr(tree_cache, "_all_reduce_attn_groups", None)
-    if reduce is None or not findings:
+    if reduce is None:  # a cache of no TP groups (one rank); doctor fails where the pin's reducer is gone
         return findings
     rows = torch.full((len(findings), 4), -1, dtype=torch.int64)
     for i, bad in enumerate(findings):
