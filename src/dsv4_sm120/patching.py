@@ -2,7 +2,7 @@
 
 Why patches at all: the overlap PD loops decide inside their loop body which
 collectives an iteration issues, and no HookRegistry hook reaches a loop body
-(see ``docs/DSV4_PD_DEADLOCK_ISSUE.md``). The diffs are against the pinned
+(see ``docs/collective_guard.md``). The diffs are against the pinned
 sglang's files and are applied strictly: every hunk's context must match at
 its recorded line, with no fuzz, so a different sglang is refused rather than
 patched in the wrong place. Each file is written whole to a temporary file

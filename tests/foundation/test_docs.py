@@ -153,3 +153,10 @@ def test_every_metric_is_named_in_the_readme_or_a_linked_doc():
     exposed = metrics.exposed_names()
     assert exposed <= named, f"on /metrics but named in no document: {sorted(exposed - named)}"
     assert named <= exposed, f"named in a document but not a collector: {sorted(named - exposed)}"
+
+
+def test_the_readme_and_the_docs_stay_short():
+    """An operator reads the README in a screen or two and the docs in one sitting: at most 700 and 15,000 words."""
+    words = lambda path: len(path.read_text().split())  # noqa: E731
+    assert words(README) <= 700
+    assert sum(words(doc) for doc in (REPO / "docs").rglob("*.md")) <= 15_000

@@ -18,7 +18,7 @@ installed as a trap: it cannot move a bf16 index-K token correctly, so a bf16 mi
 refuse sub-page transfers before reaching it. Upstream's strategy does reach it.
 
 Which of upstream's copies a bf16 page takes, per server flag, and which ran where:
-docs/DSV4_BF16_HICACHE_CORRUPTION.md ("Which copy a bf16 page takes").
+the tests of tests/index_k/test_hicache.py.
 """
 
 from __future__ import annotations

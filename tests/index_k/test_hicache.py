@@ -131,7 +131,7 @@ def _scenario(name, num_device_pages, host, gen):
 
 
 # (--hicache-mem-layout, --hicache-io-backend) as sglang resolves them, and the ops each one calls for
-# whole pages (backup, load): docs/DSV4_BF16_HICACHE_CORRUPTION.md, "Which copy a bf16 page takes".
+# whole pages (backup, load): docs/index_k.md, the HiCache mirror.
 PATHS = {
     ("layer_first", "kernel"): ("transfer_kv_all_layer_mla", "transfer_kv_per_layer_mla"),
     ("page_first", "kernel"): ("transfer_kv_all_layer_mla_lf_pf", "transfer_kv_per_layer_mla_pf_lf"),

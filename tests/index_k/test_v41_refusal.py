@@ -92,7 +92,7 @@ def test_doc_table_is_the_verdict_the_code_refuses_with():
 
     from dsv4_sm120.model.v41 import PIECES
 
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "DSV4_V41.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "deepseek_v41.md").read_text()
     section = doc.split("## Verdict per piece\n", 1)[1].split("\n## ", 1)[0]
     rows = [[cell.strip() for cell in line.strip("|").split(" | ")]
             for line in section.splitlines() if line.startswith("| ")][2:]
