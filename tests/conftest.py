@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(items):
 
     Each NIXL 1.5.1 agent keeps a native UCX progress thread polling for as long as it
     lives, and the pin's ``NixlKVManager`` keeps its agent alive through its own worker
-    threads, so the loopback pairs of tests/disagg and tests/index_k/test_pd_integrity.py
+    threads, so the loopback pairs of tests/nixl and tests/index_k/test_pd_integrity.py
     cannot be torn down mid-session. Seen on CI: ten such threads held about 1.7 of the
     machine's 2 cores for every suite that ran after them.
 
@@ -38,7 +38,7 @@ def pytest_collection_modifyitems(items):
     def order(item) -> int:
         if "e2e" in item.path.parts:
             return 0
-        return 2 if "disagg" in item.path.parts or item.path.name == "test_pd_integrity.py" else 1
+        return 2 if "nixl" in item.path.parts or item.path.name == "test_pd_integrity.py" else 1
 
     items.sort(key=order)
 

@@ -91,7 +91,7 @@ PAIRS = {"pd": {}, "pd_fixes_off": {"DSV4_SM120_NIXL_HARDENING": "0", "DSV4_SM12
          # integrity mode on both sides: the PD send/receive sums and the decode's late-write re-reads
          "pd_checksum": {"DSV4_SM120_INDEX_K_CHECKSUM": "1"}}
 DEFAULT_TARGETS = [*SINGLES, "pd", "pd_fixes_off"]
-FIXES_TURNED_OFF = ("disagg", "guard")  # pd_fixes_off's switches, as the pin manifest names their hooks' fixes
+FIXES_TURNED_OFF = ("nixl", "guard")  # pd_fixes_off's switches, as the pin manifest names their hooks' fixes
 # the targets to start, in this order (comma-separated names of SINGLES and PAIRS; default DEFAULT_TARGETS): the
 # five singles alone fit a GPU of 80 GB, the pairs beside them need about 100 GB; a second run with the pairs
 # named the other way round starts them the other way round

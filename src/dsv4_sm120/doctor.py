@@ -21,7 +21,7 @@ OK, WARN, FAIL = "ok", "warn", "fail"
 AREA_SECTIONS: tuple[str, ...] = (
     "dsv4_sm120.patching:doctor_section",
     "dsv4_sm120.index_k.report:doctor_section",
-    "dsv4_sm120.disagg.report:doctor_section",
+    "dsv4_sm120.nixl.report:doctor_section",
 )
 
 SUPPORTED_SM = {

@@ -23,7 +23,7 @@ logger = logging.getLogger("dsv4_sm120")
 # Each fix area owns a ``hooks`` module with ``register(settings.Settings)``.
 FIX_AREAS = (
     "dsv4_sm120.index_k.hooks",
-    "dsv4_sm120.disagg.hooks",
+    "dsv4_sm120.nixl.hooks",
     "dsv4_sm120.guard.hooks",
 )
 

@@ -42,7 +42,7 @@ def test_agent_bench_through_the_router_reads_the_prefill_cache_hits_and_leaves_
     # were called on each scheduler's loop and timed
     for proc in (pd.prefill, pd.decode):
         samples = scrape.metrics(proc.url)
-        for fix in ("disagg", "guard"):
+        for fix in ("nixl", "guard"):
             calls = scrape.total(samples, "sglang:dsv4_hook_calls_total", fix=fix, thread="main")
             seconds = scrape.total(samples, "sglang:dsv4_hook_seconds_total", fix=fix, thread="main")
             assert calls > 0 and seconds > 0, (proc.name, fix, calls, seconds)

@@ -57,7 +57,7 @@ def _diverge_once(c, fault_dir, record, guard: str, role: str) -> None:
         return
     if role == "prefill":
         # The router answers from the decode, so the decode must hear of the prefill's drop
-        # (disagg/tell_decode.py): it fails the request with the guard's message, and the router,
+        # (nixl/tell_decode.py): it fails the request with the guard's message, and the router,
         # for which a 5xx is retryable, retries it (seen: 200 about 8 s after the drop) or passes
         # the error on. Without it, the decode waits for its 300 s waiting timeout (status 0 here).
         assert decode_told, "the decode never heard why the prefill dropped the request"

@@ -51,8 +51,8 @@ def test_an_around_hooks_own_time_leaves_out_the_upstream_call_it_wraps(clock):
         clock.work(2_000)
         return result * 2
 
-    assert hook_time.wrap("around", "disagg", around)(upstream, 4) == 10
-    assert _seconds("disagg") == pytest.approx(5e-6)
+    assert hook_time.wrap("around", "nixl", around)(upstream, 4) == 10
+    assert _seconds("nixl") == pytest.approx(5e-6)
 
     def after(result, x):
         clock.work(4_000)
@@ -61,7 +61,7 @@ def test_an_around_hooks_own_time_leaves_out_the_upstream_call_it_wraps(clock):
     assert hook_time.wrap("after", "guard", after)(7, 1) == 7
     assert _seconds("guard") == pytest.approx(4e-6)
     calls = hook_time.totals()["hook_calls_total"]
-    assert calls[("disagg", "main")] == calls[("guard", "main")] == 1
+    assert calls[("nixl", "main")] == calls[("guard", "main")] == 1
 
 
 def test_one_call_in_an_interval_is_timed_and_stands_for_every_call_of_it(clock):
@@ -93,7 +93,7 @@ def test_every_hook_goes_through_the_door_timed_under_its_manifest_fix(clock):
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     target = "sglang.srt.managers.scheduler.Scheduler.maybe_send_health_check_signal"
-    assert pin.touch_for(target).fix == "disagg"
+    assert pin.touch_for(target).fix == "nixl"
 
     def gate(original, scheduler):
         clock.work(7_000)
@@ -108,7 +108,7 @@ def test_every_hook_goes_through_the_door_timed_under_its_manifest_fix(clock):
         HookRegistry._hooks[target].pop()
         if not HookRegistry._hooks[target]:
             del HookRegistry._hooks[target]
-    assert _seconds("disagg") == pytest.approx(7e-6)
+    assert _seconds("nixl") == pytest.approx(7e-6)
 
 
 def test_the_guards_loop_call_is_timed_under_guard():

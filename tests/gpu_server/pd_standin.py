@@ -44,7 +44,7 @@ role = args.disaggregation_mode or ("router" if args.prefill else "single")
 state = {"frames": 0, "alive": True, "pages": 0, "aborted": False}
 TOPK_LAYERS, TOPK = 6, 512
 STARTED = time.monotonic()
-FIX_SWITCHES = {"disagg": "DSV4_SM120_NIXL_HARDENING", "guard": "DSV4_SM120_COLLECTIVE_GUARD"}
+FIX_SWITCHES = {"nixl": "DSV4_SM120_NIXL_HARDENING", "guard": "DSV4_SM120_COLLECTIVE_GUARD"}
 lock = threading.Lock()
 
 

@@ -399,7 +399,7 @@ def test_a_late_nixl_write_into_received_pages_fails_the_request_at_its_next_rer
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     from dsv4_sm120.index_k import pd_late_writes
-    from tests.disagg.late_writes import FakeReq
+    from tests.nixl.late_writes import FakeReq
 
     sides(True, True)
     s = pd.open(n_pages=6)
@@ -442,7 +442,7 @@ def test_a_late_write_after_the_sampled_rereads_is_found_at_the_requests_last_fo
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     from dsv4_sm120.index_k import pd_late_writes
-    from tests.disagg.late_writes import FakeReq
+    from tests.nixl.late_writes import FakeReq
 
     sides(True, True)
     s = pd.open(n_pages=6)

@@ -121,7 +121,7 @@ def _tell_decode(req, message: str) -> None:
     mgr = getattr(sender, "kv_mgr", None)
     if mgr is None or not hasattr(mgr, "conclude_failure"):  # no transfer backend that can tell it
         return
-    from dsv4_sm120.disagg import tell_decode
+    from dsv4_sm120.nixl import tell_decode
 
     try:
         tell_decode.room_failed(mgr, sender.bootstrap_room, message)

@@ -24,5 +24,5 @@ they start fast and run from any machine that can reach the endpoint.
 With no cluster at hand, :mod:`.loopback_storm` (``dsv4-sm120 abort-storm``) storms a prefill/decode pair
 of the pin's real NIXL classes in one process (:mod:`.nixl_loopback`), with the package's hardening or, with
 ``--baseline``, the pin's bootstrap thread; it imports sglang and NIXL. Neither is runtime code: the fixes
-themselves live in ``disagg/``.
+themselves live in ``nixl/``.
 """

@@ -47,7 +47,7 @@ def install_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     from dsv4_sm120 import settings
-    from dsv4_sm120.disagg import hooks
+    from dsv4_sm120.nixl import hooks
 
     with _hooks_lock:
         target = f"{hooks.NIXL_MANAGER}._start_bootstrap_thread"
@@ -336,7 +336,7 @@ class LoopbackPD:
         return False
 
     def _workers_holding(self) -> bool:
-        from dsv4_sm120.disagg import liveness
+        from dsv4_sm120.nixl import liveness
 
         watch = liveness.existing_watch(self.prefill)
         return watch is not None and any(q.holding_since is not None for _, q in watch.workers.values())
@@ -354,7 +354,7 @@ class LoopbackPD:
 
     def close(self) -> None:
         """Stop the prefill bootstrap thread so the process can exit."""
-        from dsv4_sm120.disagg import liveness
+        from dsv4_sm120.nixl import liveness
 
         boot = self.hardening
         if boot is not None:

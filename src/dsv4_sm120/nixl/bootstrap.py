@@ -14,14 +14,14 @@ semantics written here, and calling the same upstream methods (``_add_remote_pee
 What it adds:
 
 * every frame is handled inside its own try: a bad frame is refused
-  (:class:`~dsv4_sm120.disagg.rejects.RejectLog`), the thread keeps serving;
+  (:class:`~dsv4_sm120.nixl.rejects.RejectLog`), the thread keeps serving;
 * a peer whose registration fails half way is rolled back, so it can register again;
 * a transfer-info frame from an agent that never registered is refused;
-* every ABORT buries its room (:class:`~dsv4_sm120.disagg.tombstones.Tombstones`),
+* every ABORT buries its room (:class:`~dsv4_sm120.nixl.tombstones.Tombstones`),
   and a transfer-info frame for a buried room is dropped instead of creating it
   (answered with the failure when the prefill itself failed the room: :mod:`tell_decode`);
 * the loop polls with a timeout and beats a heart, so
-  :mod:`dsv4_sm120.disagg.liveness` can tell a dead or stuck thread.
+  :mod:`dsv4_sm120.nixl.liveness` can tell a dead or stuck thread.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ import time
 import weakref
 
 from dsv4_sm120 import metrics
-from dsv4_sm120.disagg import tell_decode, write_ledger
-from dsv4_sm120.disagg.rejects import FrameRejected, RejectLog
-from dsv4_sm120.disagg.tombstones import Tombstones
+from dsv4_sm120.nixl import tell_decode, write_ledger
+from dsv4_sm120.nixl.rejects import FrameRejected, RejectLog
+from dsv4_sm120.nixl.tombstones import Tombstones
 
-logger = logging.getLogger("dsv4_sm120.disagg")
+logger = logging.getLogger("dsv4_sm120.nixl")
 
 POLL_MS = 200
 SWEEP_EVERY_S = 5.0

@@ -6,22 +6,22 @@ can build a pin-behaviour manager next to a hardened one. Nothing here imports
 sglang until upstream calls a hook.
 
 * ``NixlKVManager._start_bootstrap_thread`` (AROUND): start
-  :class:`~dsv4_sm120.disagg.bootstrap.HardenedBootstrap` instead of the closure.
+  :class:`~dsv4_sm120.nixl.bootstrap.HardenedBootstrap` instead of the closure.
 * ``NixlKVManager.transfer_worker`` (AROUND): hand the worker a
-  :class:`~dsv4_sm120.disagg.liveness.ProgressQueue` so a stuck worker is seen
+  :class:`~dsv4_sm120.nixl.liveness.ProgressQueue` so a stuck worker is seen
   (observation only: it changes nothing a worker does).
 * ``NixlKVManager._await_handles``, ``_send_abort_ack`` (AROUND), ``register_deferred_ack_target``,
   ``poison_deferred_ack_room`` (AFTER): an abort is acknowledged only once no write of the room can still
-  land (:mod:`dsv4_sm120.disagg.write_ledger`).
+  land (:mod:`dsv4_sm120.nixl.write_ledger`).
 * ``DecodeTransferQueue.resolve_deferred_releases`` (AROUND), ``CommonKVManager._handle_node_failure``
   (AFTER): a decode keeps an aborted room's pages quarantined past the release timeout until the prefill
-  acknowledges or is lost (:mod:`dsv4_sm120.disagg.decode_hold`).
+  acknowledges or is lost (:mod:`dsv4_sm120.nixl.decode_hold`).
 * ``NixlKVManager.update_status`` (AROUND): a sender opened for a room the decode
   already aborted starts Failed instead of waiting 300 s in Bootstrapping.
 * ``NixlKVSender.__init__`` (AFTER): the hardened thread knows which rooms a live
   sender holds, so an aborted room nobody holds is dropped instead of leaking.
 * ``Scheduler.handle_generate_request`` and ``Scheduler.maybe_send_health_check_signal``
-  (AROUND): while :func:`~dsv4_sm120.disagg.liveness.problems` is non-empty,
+  (AROUND): while :func:`~dsv4_sm120.nixl.liveness.problems` is non-empty,
   health-check requests get no answer, so ``/health`` fails.
 """
 
@@ -31,11 +31,11 @@ import logging
 import time
 
 from dsv4_sm120 import metrics
-from dsv4_sm120.disagg import decode_hold, write_ledger
+from dsv4_sm120.nixl import decode_hold, write_ledger
 from dsv4_sm120.hooks import hook
 from dsv4_sm120.settings import Settings, load
 
-logger = logging.getLogger("dsv4_sm120.disagg")
+logger = logging.getLogger("dsv4_sm120.nixl")
 
 NIXL_MANAGER = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
 NIXL_SENDER_INIT = "sglang.srt.disaggregation.nixl.conn.NixlKVSender.__init__"
@@ -54,8 +54,8 @@ def start_bootstrap_thread(original, mgr):
     """AROUND ``_start_bootstrap_thread``: serve the socket with the hardened loop."""
     if not hardening_on():
         return original(mgr)
-    from dsv4_sm120.disagg import liveness
-    from dsv4_sm120.disagg.bootstrap import HardenedBootstrap
+    from dsv4_sm120.nixl import liveness
+    from dsv4_sm120.nixl.bootstrap import HardenedBootstrap
 
     boot = HardenedBootstrap(mgr)
     mgr._dsv4_bootstrap = boot
@@ -73,7 +73,7 @@ def watch_transfer_worker(original, mgr, queue, staging_buffer=None, worker_inde
     judges managers whose bootstrap thread is the hardened one. The ledger
     (:mod:`.write_ledger`) follows the switch as the manager is built.
     """
-    from dsv4_sm120.disagg import liveness
+    from dsv4_sm120.nixl import liveness
 
     progress = liveness.ProgressQueue(queue)
     liveness.watch_for(mgr).add_worker(worker_index, progress)
@@ -108,7 +108,7 @@ def track_sender(result, sender, *args, **kwargs):
 def _unhealthy() -> list[str]:
     if not hardening_on():
         return []
-    from dsv4_sm120.disagg import liveness
+    from dsv4_sm120.nixl import liveness
 
     found = liveness.problems()
     now = time.monotonic()

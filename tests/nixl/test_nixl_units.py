@@ -6,9 +6,9 @@ import dataclasses
 import logging
 
 from dsv4_sm120 import settings
-from dsv4_sm120.disagg import hooks
-from dsv4_sm120.disagg.rejects import FrameRejected, RejectLog
-from dsv4_sm120.disagg.tombstones import Tombstones
+from dsv4_sm120.nixl import hooks
+from dsv4_sm120.nixl.rejects import FrameRejected, RejectLog
+from dsv4_sm120.nixl.tombstones import Tombstones
 
 
 class Clock:
@@ -45,7 +45,7 @@ def test_reburying_refreshes_expiry():
 def test_rejections_are_counted_and_warnings_rate_limited(caplog):
     clock = Clock()
     log = RejectLog(interval_s=10, clock=clock)
-    with caplog.at_level(logging.WARNING, logger="dsv4_sm120.disagg"):
+    with caplog.at_level(logging.WARNING, logger="dsv4_sm120.nixl"):
         for _ in range(50):
             log.reject("peer A", FrameRejected("unknown tag", "b'X'"))
         log.reject("peer B", FrameRejected("unknown tag", "b'X'"))

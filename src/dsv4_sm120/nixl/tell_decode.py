@@ -16,7 +16,7 @@ transfer info) is therefore concluded Failed with upstream's own status message
 the decode then fails the request with the reason. When no transfer info has
 arrived yet, the hardened bootstrap thread keeps the room buried with its reason
 and answers the transfer info that arrives for it with the same failure
-(:meth:`dsv4_sm120.disagg.bootstrap.HardenedBootstrap._transfer_info`).
+(:meth:`dsv4_sm120.nixl.bootstrap.HardenedBootstrap._transfer_info`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import logging
 
 from dsv4_sm120 import metrics
 
-logger = logging.getLogger("dsv4_sm120.disagg")
+logger = logging.getLogger("dsv4_sm120.nixl")
 
 
 def room_failed(mgr, room: int, reason: str, tombstones=None) -> None:

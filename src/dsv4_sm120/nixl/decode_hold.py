@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from dsv4_sm120 import metrics, settings
 
-logger = logging.getLogger("dsv4_sm120.disagg")
+logger = logging.getLogger("dsv4_sm120.nixl")
 
 RESOLVE = "sglang.srt.disaggregation.decode.DecodeTransferQueue.resolve_deferred_releases"
 NODE_FAILURE = "sglang.srt.disaggregation.common.conn.CommonKVManager._handle_node_failure"

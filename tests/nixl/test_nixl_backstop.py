@@ -1,6 +1,6 @@
 """The hardened bootstrap loop's backstop: an upstream handler that raises does not end the thread.
 
-Every parse the loop does itself is refused with its own reason (tests/disagg/test_disagg_frames.py);
+Every parse the loop does itself is refused with its own reason (tests/nixl/test_nixl_frames.py);
 the backstop is for what the loop cannot foresee, an error raised inside one of upstream's handlers
 on a well-formed frame from a registered decode. Replaced: the pin's
 ``NixlKVManager._handle_abort_notification`` on the loopback pair's real prefill manager, by one that

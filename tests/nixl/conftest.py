@@ -1,4 +1,4 @@
-"""Loopback PD pairs shared by the disagg tests: one sglang import per process, few NIXL agents.
+"""Loopback PD pairs shared by the nixl tests: one sglang import per process, few NIXL agents.
 
 Every pair is the pin's real NIXL classes over UCX on 127.0.0.1 with DRAM CPU
 tensors as KV pages (see dsv4_sm120.instruments.nixl_loopback); only the model is absent.
@@ -22,6 +22,20 @@ def _hardening_in_force() -> bool:
     from dsv4_sm120 import settings
 
     return settings.load().nixl_hardening
+
+
+@pytest.fixture(scope="package", autouse=True)
+def switches_as_a_server_loads_them():
+    """The process as a server has it: ``plugin.register`` handed the switches to the index-K area. Hooks another
+    test module applied to the pin's NIXL classes (the PD integrity ones) stay applied for the process and
+    read them, on the pairs' own threads too, so this holds for every test here."""
+    from dsv4_sm120 import settings
+    from dsv4_sm120.index_k import gate
+
+    with pytest.MonkeyPatch.context() as mp:
+        if gate._switches is None:
+            mp.setattr(gate, "_switches", settings.load())
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ timeout. This module keeps a watch per hardened prefill manager:
   ``stall_after_s`` (a :class:`ProgressQueue` sees every dequeue).
 
 :func:`problems` lists what is wrong; the scheduler hooks in
-:mod:`dsv4_sm120.disagg.hooks` drop health-check requests while it is non-empty,
+:mod:`dsv4_sm120.nixl.hooks` drop health-check requests while it is non-empty,
 so the tokenizer gets no answer and ``/health`` returns 503 after
 ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s) and marks the server UnHealthy.
 """

@@ -16,7 +16,7 @@ from collections import Counter
 
 from dsv4_sm120 import metrics
 
-logger = logging.getLogger("dsv4_sm120.disagg")
+logger = logging.getLogger("dsv4_sm120.nixl")
 
 
 class FrameRejected(Exception):

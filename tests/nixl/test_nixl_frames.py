@@ -233,7 +233,7 @@ def test_a_failed_room_no_request_holds_is_released_when_its_decode_died(orphan_
     and two rooms stayed on the prefill for good."""
     import gc
 
-    from dsv4_sm120.disagg import bootstrap
+    from dsv4_sm120.nixl import bootstrap
 
     pd = orphan_pd
     s = pd.open()
@@ -275,7 +275,7 @@ def _decode_reason(s) -> str:
 
 def _prefill_fails_on_its_own(pd, s, reason: str) -> None:
     """What the collective guard does to a request it must drop: tell the decode, then upstream's abort."""
-    from dsv4_sm120.disagg import tell_decode
+    from dsv4_sm120.nixl import tell_decode
 
     tell_decode.room_failed(pd.prefill, s.room, reason)
     s.sender.abort()

@@ -1,4 +1,4 @@
-"""The disagg row of ``dsv4-sm120 doctor``: is the NIXL bootstrap hardening in force here?
+"""The nixl row of ``dsv4-sm120 doctor``: is the NIXL bootstrap hardening in force here?
 
 Cheap on purpose: reads the switch and the installed ``nixl`` version (for ``--json``), imports no sglang.
 """
@@ -32,4 +32,4 @@ def doctor_section() -> doctor.Section:
         rows.append(doctor.Row("nixl hardening", doctor.WARN,
                                "DSV4_SM120_NIXL_HARDENING=0: the pin's bootstrap thread (one unknown frame wedges PD for 300 s) and its "
                                "abort handling (an aborted room's pages go back at the release timeout, written or not)"))
-    return doctor.Section("disagg", {"nixl_hardening": on, "nixl": nixl}, rows)
+    return doctor.Section("nixl_hardening", {"nixl_hardening": on, "nixl": nixl}, rows)

@@ -31,7 +31,7 @@ import threading
 
 from dsv4_sm120 import metrics
 
-logger = logging.getLogger("dsv4_sm120.disagg")
+logger = logging.getLogger("dsv4_sm120.nixl")
 
 SETTLED = ("DONE", "ERR")
 _ATTR = "_dsv4_write_ledger"

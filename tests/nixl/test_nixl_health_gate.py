@@ -9,7 +9,7 @@ Upstream's methods run as the pin ships them, hooked through upstream's HookRegi
 an ``object.__new__(Scheduler)`` with the attributes they read. Replaced: the tokenizer
 socket (a recorder: its ``send_output`` is what the method calls) and the NIXL manager
 that liveness judges (a dead bootstrap thread, stated directly; the real thread dying is
-tests/disagg/test_disagg_liveness.py and, on a real server, tests/e2e/test_pd_liveness.py).
+tests/nixl/test_nixl_liveness.py and, on a real server, tests/e2e/test_pd_liveness.py).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def busy_scheduler():
 
 @pytest.fixture
 def dead_nixl_thread():
-    from dsv4_sm120.disagg import liveness
+    from dsv4_sm120.nixl import liveness
 
     mgr = _Manager()
     watch = liveness.watch_for(mgr)
@@ -62,7 +62,7 @@ def dead_nixl_thread():
 def test_busy_scheduler_answers_queued_health_checks_while_nixl_is_alive(busy_scheduler):
     from sglang.srt.managers.io_struct import HealthCheckOutput
 
-    from dsv4_sm120.disagg import liveness
+    from dsv4_sm120.nixl import liveness
 
     assert liveness.problems() == []
     busy_scheduler.maybe_send_health_check_signal()
@@ -72,7 +72,7 @@ def test_busy_scheduler_answers_queued_health_checks_while_nixl_is_alive(busy_sc
 
 
 def test_busy_scheduler_does_not_vouch_for_a_dead_nixl_thread(busy_scheduler, dead_nixl_thread):
-    from dsv4_sm120.disagg import liveness
+    from dsv4_sm120.nixl import liveness
 
     assert any("bootstrap thread is dead" in p for p in liveness.problems())
     busy_scheduler.maybe_send_health_check_signal()
@@ -83,7 +83,7 @@ def test_busy_scheduler_does_not_vouch_for_a_dead_nixl_thread(busy_scheduler, de
 def test_a_dead_transfer_worker_fails_health(busy_scheduler):
     """A transfer worker thread that ended (upstream's workers never return) is a problem, next to a live
     bootstrap thread; the worker registers from its own thread, as the ``transfer_worker`` hook does."""
-    from dsv4_sm120.disagg import liveness
+    from dsv4_sm120.nixl import liveness
 
     mgr = _Manager()
     watch = liveness.watch_for(mgr)

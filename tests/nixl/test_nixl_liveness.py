@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
-from dsv4_sm120.disagg import liveness
+from dsv4_sm120.nixl import liveness
 from tests.polling import wait_until
 
 HEALTH = SimpleNamespace(rid="HEALTH_CHECK_dsv4_test")

@@ -1,7 +1,7 @@
 """An aborted room's late NIXL write never lands in decode pages another request owns.
 
 Real NIXL agents over UCX and the pin's own managers, bootstrap thread, transfer worker, ABORT and
-ABORT_ACK handling and deferred release (``tests.disagg.late_writes`` says what is played). The fault
+ABORT_ACK handling and deferred release (``tests.nixl.late_writes`` says what is played). The fault
 in each test is a prefill send posted late, as a busy transport posts it: the decode aborts the room
 while its write is still on the way.
 """
@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.disagg import late_writes
+from tests.nixl import late_writes
 from tests.polling import wait_until
 
 SEND_DELAY_S = 1.5
@@ -56,7 +56,7 @@ def test_an_aborted_rooms_pages_stay_held_past_the_release_timeout_until_its_lat
     write, later than the release timeout. Upstream then releases the pages anyway, the next owner writes
     them, and the late write overwrites that owner's KV. With the package the pages stay quarantined until
     the acknowledgement: the write lands before any new owner has them."""
-    from dsv4_sm120.disagg import decode_hold
+    from dsv4_sm120.nixl import decode_hold
 
     pd = safety_pd
     released_at = []
@@ -168,7 +168,7 @@ def test_holds_upstream_dropped_leave_nothing_counted_as_quarantined():
     quarantined there must not stay on the gauge."""
     from types import SimpleNamespace
 
-    from dsv4_sm120.disagg import decode_hold
+    from dsv4_sm120.nixl import decode_hold
 
     queue = SimpleNamespace(_deferred_releases=[])
     queue._dsv4_quarantined = {1: decode_hold.Quarantined(room=7, tokens=512, since=0.0)}
