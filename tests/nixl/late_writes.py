@@ -24,10 +24,11 @@ import numpy as np
 
 
 @contextlib.contextmanager
-def slow_send(mgr, delay_s: float, calls: int = 1):
-    """The next ``calls`` KV sends of prefill manager ``mgr`` are posted ``delay_s`` late; yields an event set
-    when the first delayed send has begun (the worker holds the chunk and has not posted it yet), its ``at``
-    the time it began."""
+def slow_send(mgr, delay_s: float, calls: int = 1, until: threading.Event | None = None):
+    """The next ``calls`` KV sends of prefill manager ``mgr`` are posted ``delay_s`` late (with ``until``: once the
+    test sets it, ``delay_s`` at most), so that what a test checks meanwhile does not race the clock; yields an
+    event set when the first delayed send has begun (the worker holds the chunk and has not posted it yet), its
+    ``at`` the time it began."""
     original = mgr.send_kvcache
     began = threading.Event()
     left = [calls]
@@ -37,7 +38,10 @@ def slow_send(mgr, delay_s: float, calls: int = 1):
             left[0] -= 1
             began.at = time.monotonic()
             began.set()
-            time.sleep(delay_s)
+            if until is None:
+                time.sleep(delay_s)
+            else:
+                until.wait(delay_s)
         return original(*args, **kwargs)
 
     mgr.send_kvcache = delayed

@@ -147,16 +147,20 @@ def test_an_aborted_room_with_a_write_in_flight_stays_in_the_prefills_tables_unt
     still in a transfer worker's hands keeps them (the worker and the acknowledgement read them) until a
     sweep finds it drained."""
     import gc
+    import threading
 
     pd = safety_pd
-    with late_writes.slow_send(pd.prefill, SEND_DELAY_S) as began:
+    posted = threading.Event()  # the worker posts the write once this is set: nothing below races its clock
+    with late_writes.slow_send(pd.prefill, 60.0, until=posted) as began:
         s = pd.open(n_pages=4)
         _writing(pd, s, began)
         s.sender = None  # the prefill request is gone; its chunk is still in the worker's hands
         gc.collect()
         pd.abort(s)
         pd.settle_aborts()
+        pd.hardening.sweep_unheld_rooms()
         assert s.room in pd.prefill.request_status, "an aborted room was dropped while its write was in flight"
+        posted.set()
         assert wait_until(lambda: late_writes.landed(pd, s), SEND_DELAY_S + 5.0)
     assert wait_until(lambda: (pd.hardening.sweep_unheld_rooms(), s.room not in pd.prefill.request_status)[1], 5.0), (
         "the drained room stayed in the prefill's tables")
