@@ -271,38 +271,49 @@ def reference_probes(pair: pd.Pair, res: dict) -> None:
     res["dead_after"] = pair.cluster.servers.dead()
 
 
+def _storm(pair: pd.Pair, work: Path, res: dict) -> None:
+    """Sessions streaming through :data:`KILLS` kills of an 80-session agent, then the multi-turn sessions."""
+    stream = _stream(pair, work, STREAM_S)
+    t0 = time.monotonic()
+    res["kills"] = [incident.kill_round(pair, work, k) for k in range(1, KILLS + 1)]
+    res["kill_phase_s"] = round(time.monotonic() - t0, 1)
+    try:
+        stream.wait(STREAM_S + 240)
+    except subprocess.TimeoutExpired:
+        stream.kill()
+    res["stream"] = _agent_figures(work / f"agent_stream{pair.tag}.json")
+    extra = ("--turns", "20", "--level-seconds", str(MULTI_TURN_S))
+    res["multi_turn"] = pd.agent_level(incident._agent(pair, MULTI_TURN_SESSIONS, extra),
+                                       work / f"agent_multi_turn{pair.tag}.json", MULTI_TURN_S + 240)
+
+
 def run_target(pair: pd.Pair, side: Side, log_dir: Path, work: Path, res: dict) -> None:
-    """One target's traffic into ``res`` (an exception is its ``error``; the figures so far stay)."""
+    """One target's traffic into ``res``: the storm through the router (unless :data:`LANE_ONLY`), then the top-k
+    lane (an exception is its ``error``; the figures so far stay)."""
     try:
         if LANE_ONLY:
-            return lane_only(pair, side, res)
-        serve(pair, side, log_dir)
+            pair.healthy.result()
+        else:
+            serve(pair, side, log_dir)
         before = counters(pair, side)
-        stream = _stream(pair, work, STREAM_S)
-        t0 = time.monotonic()
-        res["kills"] = [incident.kill_round(pair, work, k) for k in range(1, KILLS + 1)]
-        res["kill_phase_s"] = round(time.monotonic() - t0, 1)
-        try:
-            stream.wait(STREAM_S + 240)
-        except subprocess.TimeoutExpired:
-            stream.kill()
-        res["stream"] = _agent_figures(work / f"agent_stream{pair.tag}.json")
-        extra = ("--turns", "20", "--level-seconds", str(MULTI_TURN_S))
-        res["multi_turn"] = pd.agent_level(incident._agent(pair, MULTI_TURN_SESSIONS, extra),
-                                           work / f"agent_multi_turn{pair.tag}.json", MULTI_TURN_S + 240)
+        if not LANE_ONLY:
+            _storm(pair, work, res)
         res["lane_rounds"], res["probes"] = [], []
         for r in range(1, LANE_ROUNDS + 1):
             figures, probes = lane_round(pair, side, r)
             res["lane_rounds"].append(figures)
             res["probes"] += probes
-        res["leftovers"] = checks.settle(pair.cluster, timeout=SETTLE_S)
-        res["health"] = checks.health(pair.cluster)
+        if not LANE_ONLY:
+            res["leftovers"] = checks.settle(pair.cluster, timeout=SETTLE_S)
+            res["health"] = checks.health(pair.cluster)
         after = counters(pair, side)
-        res["counter_deltas"] = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(set(before) | set(after))
-                                 if after.get(k, 0.0) != before.get(k, 0.0) or "late_write" in k}
+        moved = checks.delta(before, after)  # and the late-write counters at 0: that zero is a finding
+        res["counter_deltas"] = {k: moved.get(k, 0.0) for k in sorted(set(before) | set(after))
+                                 if k in moved or "late_write" in k}
         res["gauges_after"] = {k: v for k, v in after.items() if "quarantined@" in k or "tokens_quarantined" in k}
+        decodes = [side.lane] if pair.cluster.decode is side.lane else [pair.cluster.decode, side.lane]
         res["decode_log"] = {proc.name: pd._log_lines(proc, "PD late write", "quarantined", "PD late-write check",
-                                                      keep=12) for proc in (pair.cluster.decode, side.lane)}
+                                                      keep=12) for proc in decodes}
         res["slow_prefill_log"] = pd._log_lines(pair.cluster.prefill, "dsv4_test_faults", keep=2)
     except Exception as exc:
         res["error"] = f"{type(exc).__name__}: {exc}"[:3000]
@@ -313,23 +324,6 @@ def _rows_differing(p: dict, q: dict) -> int:
     if not p.get("selections") or not q.get("selections"):
         return 0
     return sum(p["selections"][row] != q["selections"][row] for row in p["selections"] if row in q["selections"])
-
-
-def lane_only(pair: pd.Pair, side: Side, res: dict) -> None:
-    """The top-k lane alone: its rounds, then the counters and log lines of its servers."""
-    pair.healthy.result()
-    before = counters(pair, side)
-    res["lane_rounds"], res["probes"] = [], []
-    for r in range(1, LANE_ROUNDS + 1):
-        figures, probes = lane_round(pair, side, r)
-        res["lane_rounds"].append(figures)
-        res["probes"] += probes
-    after = counters(pair, side)
-    res["counter_deltas"] = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(set(before) | set(after))
-                             if after.get(k, 0.0) != before.get(k, 0.0) or "late_write" in k}
-    res["decode_log"] = {side.lane.name: pd._log_lines(side.lane, "PD late write", "quarantined",
-                                                       "PD late-write check", keep=12)}
-    res["dead_after"] = pair.cluster.servers.dead()
 
 
 def compare_probes(results: dict, reference: dict) -> None:

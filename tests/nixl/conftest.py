@@ -29,12 +29,10 @@ def switches_as_a_server_loads_them():
     """The process as a server has it: ``plugin.register`` handed the switches to the index-K area. Hooks another
     test module applied to the pin's NIXL classes (the PD integrity ones) stay applied for the process and
     read them, on the pairs' own threads too, so this holds for every test here."""
-    from dsv4_sm120 import settings
-    from dsv4_sm120.index_k import gate
+    from tests.index_k import pool_harness
 
     with pytest.MonkeyPatch.context() as mp:
-        if gate._switches is None:
-            mp.setattr(gate, "_switches", settings.load())
+        pool_harness.switches(mp)
         yield
 
 

@@ -11,7 +11,8 @@ nothing fails. With ``DSV4_SM120_INDEX_K_CHECKSUM=1`` the decode watches for it 
   the same page numbers. Queued on the device's side stream; nothing waits.
 * **Re-read**, at the request's first decode forward, every :data:`EVERY` decode forwards after
   it, and its last one where its length bounds it (``max_new_tokens``) (an AROUND hook on
-  ``Scheduler.run_batch``, before the forward is launched): the due requests' pages are checksummed again, one gather and one checksum launch per buffer for the whole batch,
+  ``Scheduler.run_batch``, before the forward is launched): the due requests' pages are
+  checksummed again, one gather and one checksum launch per buffer for the whole batch,
   compared with their baselines on the device, and the per-page verdicts go to pinned host memory
   behind an event. The current stream waits for the baselines' event on the device, never the host.
 * **Verdict**, at a later ``run_batch`` once the event has completed: a changed page is a late
