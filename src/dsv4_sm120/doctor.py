@@ -1,8 +1,7 @@
 """``dsv4-sm120 doctor``: one screen that says whether this install will work.
 
-Each check yields a :class:`Section`: a JSON-able ``data`` dict (for ``--json``)
-and human rows. A row is ``ok``, ``warn`` (works, with a limitation the user
-should know) or ``fail`` (this install will not do what the package promises).
+Each check yields a :class:`~dsv4_sm120.doctor_rows.Section` of rows
+(:mod:`dsv4_sm120.doctor_rows`).
 No GPU is a ``warn`` unless ``--require-gpu`` asks for one.
 """
 
@@ -10,12 +9,10 @@ from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import dataclass, field
 from importlib import metadata
 
 from dsv4_sm120 import pin, settings
-
-OK, WARN, FAIL = "ok", "warn", "fail"
+from dsv4_sm120.doctor_rows import FAIL, OK, WARN, Row, Section
 
 # Sections contributed by fix areas: "module:function" returning a Section.
 AREA_SECTIONS: tuple[str, ...] = (
@@ -28,20 +25,6 @@ SUPPORTED_SM = {
     (9, 0): "sm_90 (Hopper): Triton bf16 indexer kernels; upstream DeepGEMM fp8 paths",
     (12, 0): "sm_120 (Blackwell RTX PRO): Triton bf16 indexer kernels; upstream's fp8 indexer runs TileLang there",
 }
-
-
-@dataclass
-class Row:
-    name: str
-    status: str
-    detail: str
-
-
-@dataclass
-class Section:
-    key: str
-    data: dict
-    rows: list[Row] = field(default_factory=list)
 
 
 def _sglang() -> Section:

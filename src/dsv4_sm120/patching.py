@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsv4_sm120 import pin
+from dsv4_sm120.doctor_rows import FAIL, OK, WARN, Row, Section
 
 PATCHES_DIR = Path(__file__).parent / "patches"
 APPLIED, PRISTINE, CONFLICT, MISSING = "applied", "not applied", "conflict", "missing"
@@ -181,25 +182,23 @@ def applied_in_process() -> bool | None:
 
 def doctor_section():
     """``doctor``: state of each patch on the installed sglang."""
-    from dsv4_sm120 import doctor
-
     try:
         root = installed_root()
     except PatchError as exc:
-        return doctor.Section("patches", {"error": str(exc)}, [doctor.Row("patches", doctor.FAIL, str(exc))])
+        return Section("patches", {"error": str(exc)}, [Row("patches", FAIL, str(exc))])
     data, rows = {"sglang_root": str(root)}, []
     for fp in patches():
         st = state(root, fp)
         data[fp.name] = st
         if st == APPLIED:
-            rows.append(doctor.Row(f"patch {fp.name}", doctor.OK, "applied"))
+            rows.append(Row(f"patch {fp.name}", OK, "applied"))
         elif st == PRISTINE:
-            rows.append(doctor.Row(f"patch {fp.name}", doctor.WARN,
-                                   "not applied: the PD collective guard is inactive; run `dsv4-sm120 patch apply`"))
+            rows.append(Row(f"patch {fp.name}", WARN,
+                            "not applied: the PD collective guard is inactive; run `dsv4-sm120 patch apply`"))
         else:
-            rows.append(doctor.Row(f"patch {fp.name}", doctor.FAIL, _conflict_message(root, fp) if st == CONFLICT
-                                   else f"{root / fp.target} missing"))
-    return doctor.Section("patches", data, rows)
+            rows.append(Row(f"patch {fp.name}", FAIL, _conflict_message(root, fp) if st == CONFLICT
+                            else f"{root / fp.target} missing"))
+    return Section("patches", data, rows)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -75,3 +75,15 @@ def test_the_package_imports_no_circle():
 def test_the_reader_finds_a_circle_hidden_in_a_function():
     assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _circle({"a": {"b"}, "b": set()}) is None
+
+
+# The doors at the top of the house: what a user runs (the CLI, the doctor) and what sglang loads (the plugin).
+# Nothing below them may import them: a fix area describes itself through dsv4_sm120.doctor_rows.
+TOP = {"dsv4_sm120.cli", "dsv4_sm120.doctor", "dsv4_sm120.plugin"}
+
+
+def test_no_module_below_the_doors_imports_them():
+    modules = _modules()
+    upward = sorted(f"{name} -> {target}" for name, path in modules.items() if name not in TOP
+                    for target in _imports(name, path, modules) & TOP)
+    assert upward == []

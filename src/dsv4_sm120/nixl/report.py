@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from importlib import metadata
 
-from dsv4_sm120 import doctor, settings
+from dsv4_sm120 import settings
+from dsv4_sm120.doctor_rows import FAIL, OK, WARN, Row, Section
 
 
-def doctor_section() -> doctor.Section:
+def doctor_section() -> Section:
     try:
         on = settings.load().nixl_hardening
         switch_problem = None
@@ -22,14 +23,14 @@ def doctor_section() -> doctor.Section:
         nixl = None
     rows = []
     if switch_problem:
-        rows.append(doctor.Row("nixl hardening", doctor.FAIL, switch_problem))
+        rows.append(Row("nixl hardening", FAIL, switch_problem))
     elif on:
-        rows.append(doctor.Row("nixl hardening", doctor.OK,
-                               "prefill bootstrap thread rejects bad frames, tombstones aborted rooms, fails /health when a NIXL "
-                               "thread dies; an abort is acknowledged once its writes drained, the decode quarantines "
-                               "pages an unacknowledged abort may still reach"))
+        rows.append(Row("nixl hardening", OK,
+                        "prefill bootstrap thread rejects bad frames, tombstones aborted rooms, fails /health when a NIXL "
+                        "thread dies; an abort is acknowledged once its writes drained, the decode quarantines "
+                        "pages an unacknowledged abort may still reach"))
     else:
-        rows.append(doctor.Row("nixl hardening", doctor.WARN,
-                               "DSV4_SM120_NIXL_HARDENING=0: the pin's bootstrap thread (one unknown frame wedges PD for 300 s) and its "
-                               "abort handling (an aborted room's pages go back at the release timeout, written or not)"))
-    return doctor.Section("nixl_hardening", {"nixl_hardening": on, "nixl": nixl}, rows)
+        rows.append(Row("nixl hardening", WARN,
+                        "DSV4_SM120_NIXL_HARDENING=0: the pin's bootstrap thread (one unknown frame wedges PD for 300 s) and its "
+                        "abort handling (an aborted room's pages go back at the release timeout, written or not)"))
+    return Section("nixl_hardening", {"nixl_hardening": on, "nixl": nixl}, rows)
