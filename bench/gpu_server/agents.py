@@ -47,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench import hook_time_cpu
-from bench.airgap import jit_cache
+from tools.airgap import jit_cache
 from bench.gpu_server import cpu_use, hicache, pd, step_log, traffic
 from bench.gpu_server.servers import ServerSpec, launch_line, start, wait_healthy
 

@@ -42,7 +42,7 @@ import time
 import urllib.parse
 from pathlib import Path
 
-from bench.airgap import jit_cache
+from tools.airgap import jit_cache
 from bench.gpu_server import models, traffic
 from bench.gpu_server.servers import ServerSpec
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.airgap import bundle, pack
+from tools.airgap import bundle, pack
 from bench.gpu_server import models
 
 REPO = Path(__file__).resolve().parents[2]
@@ -102,7 +102,7 @@ def venv(tmp_path_factory) -> Path:
 
 
 def _pack(venv: Path, out: Path, cache: Path, *flags: str) -> Path:
-    subprocess.run([sys.executable, "-m", "bench.airgap", "pack", "--venv", str(venv), "--out", str(out),
+    subprocess.run([sys.executable, "-m", "tools.airgap", "pack", "--venv", str(venv), "--out", str(out),
                     "--part-mb", str(PART_MB), "--cache", str(cache), "--xz-level", "6", *flags],
                    cwd=REPO, check=True, capture_output=True, text=True)
     return out
@@ -123,7 +123,7 @@ def _manifest(out: Path) -> dict:
 
 
 def _unpack(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bench.airgap", "unpack", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "tools.airgap", "unpack", *map(str, args)],
                           cwd=REPO, capture_output=True, text=True)
 
 
@@ -288,7 +288,7 @@ def test_arch_and_flags_choose_what_is_carried(venv, tmp_path):
 def test_jit_cache_save_splits_within_the_size_and_load_puts_every_file_back(tmp_path):
     import os
 
-    from bench.airgap import __main__ as cli
+    from tools.airgap import __main__ as cli
 
     root = tmp_path / "cache"
     for i in range(3):
@@ -319,6 +319,6 @@ def test_a_python_that_cannot_build_the_wheel_is_told_which_and_what_it_needs(mo
     problem = pack.wheel_builder_problem()
     assert (problem is not None) == refused
     if refused:
-        assert sys.executable in problem and "setuptools >= 70.1" in problem and ".venv/bin/python -m bench" in problem
+        assert sys.executable in problem and "setuptools >= 70.1" in problem and ".venv/bin/python -m tools.airgap" in problem
         with pytest.raises(SystemExit, match="setuptools >= 70.1"):
             pack.build_project_wheel(Path("/nonexistent"))

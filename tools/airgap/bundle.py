@@ -142,7 +142,7 @@ def add_part(part: Path, stage: Path) -> int:
     print(f"parts present ({len(present)}/{len(manifest['parts'])}): {' '.join(present) or '-'}")
     print(f"parts missing: {' '.join(missing) or '-'}")
     if not missing:
-        print(f"all parts present: python -m bench.airgap unpack --finish --stage {stage}")
+        print(f"all parts present: python -m tools.airgap unpack --finish --stage {stage}")
     return 1 if damaged else 0
 
 
@@ -376,7 +376,7 @@ def write_env(root: Path, cache_root: Path, bundle_id: str, library_path: list[s
     loader = [f'export LD_LIBRARY_PATH={q(":".join(library_path))}"${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"',
               ] if library_path else []
     lines = [
-        f"# bundle {bundle_id}, set up by `python -m bench.airgap unpack --finish`: source it before serving.",
+        f"# bundle {bundle_id}, set up by `python -m tools.airgap unpack --finish`: source it before serving.",
         f"export DSV4_BUNDLE_ROOT={q(str(root))}",
         f"export DSV4_BUNDLE_PYTHON={q(sys.executable)}",
         f'export PYTHONPATH={q(str(root / "site"))}"${{PYTHONPATH:+:$PYTHONPATH}}"',

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import run_record
-from bench.airgap import fatbin, policy
-from bench.airgap.bundle import MANIFEST, normalize, sha256
+from tools.airgap import fatbin, policy
+from tools.airgap.bundle import MANIFEST, normalize, sha256
 from bench.gpu_server import models
 
 try:
@@ -237,7 +237,7 @@ def wheel_builder_problem() -> str | None:
     return (f"pack builds the project's wheel offline with this python's setuptools ({sys.executable}: setuptools "
             f"{version or 'not installed'}, no 'wheel' package); it needs setuptools >= 70.1 or the 'wheel' package. "
             f"Run pack with the project's environment (python3 -m venv .venv && .venv/bin/pip install -e '.[test]', "
-            f"then .venv/bin/python -m bench.airgap pack ...), or: {sys.executable} -m pip install 'setuptools>=70.1'")
+            f"then .venv/bin/python -m tools.airgap pack ...), or: {sys.executable} -m pip install 'setuptools>=70.1'")
 
 
 def build_project_wheel(out: Path) -> Path:
