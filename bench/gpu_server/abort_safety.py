@@ -8,7 +8,7 @@ decodes; this set runs it where the incident happened.
 
 Each target is two prefills (HiCache on) and one decode (CUDA graphs), bf16 keys, integrity mode on every
 server, behind the PD router. The first prefill carries the test-only fault ``slow_send``
-(``tests/gpu_server/faults``): one KV send in :data:`FAULT_EVERY` is posted :data:`FAULT_DELAY_S` late, so a
+(``harness/faults``): one KV send in :data:`FAULT_EVERY` is posted :data:`FAULT_DELAY_S` late, so a
 room aborted meanwhile still has its write on the way. Two prefills, because from one prefill rank to one
 decode rank upstream's transfer worker finishes a room's writes before it starts the next room's: a page
 reused by a later room of the same prefill is rewritten by that room after the late write, never before.
@@ -55,7 +55,7 @@ from pathlib import Path
 
 from bench.gpu_server import incident, models, pd, traffic
 from bench.gpu_server.servers import ServerSpec, Started, free_port, start
-from harness import checks, cluster, scrape
+from harness import checks, cluster, faults, scrape
 
 FAULT_EVERY, FAULT_DELAY_S = 3, 1.5
 RELEASE_TIMEOUT_S = 1
@@ -63,7 +63,6 @@ KILLS = 5
 STREAM_SESSIONS, STREAM_S = 16, 120.0  # new sessions through the router while the kills happen
 MULTI_TURN_SESSIONS, MULTI_TURN_S = 64, 60.0
 SETTLE_S = 90.0
-FAULTS_DIR = Path(__file__).resolve().parents[2] / "tests" / "gpu_server" / "faults"
 DEFERRED = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 TARGETS = {
     "control": {DEFERRED: "0"},
@@ -103,7 +102,7 @@ class Side:
 def _fault_env(control: Path) -> dict:
     return {"DSV4_TEST_FAULT": "slow_send", "DSV4_TEST_FAULT_SEND_EVERY": str(FAULT_EVERY),
             "DSV4_TEST_FAULT_SEND_DELAY_S": str(FAULT_DELAY_S), "DSV4_TEST_FAULT_SEND_CONTROL": str(control),
-            "PYTHONPATH": f"{FAULTS_DIR}:{os.environ.get('PYTHONPATH', '')}"}
+            "PYTHONPATH": faults.pythonpath()}
 
 
 def _spec(name: str, fields: dict, args: list, env: dict, tokenizer: Path, mem_fraction: float | None,
