@@ -58,7 +58,7 @@ def _root(tmp_path_factory) -> Path:
 def e2e_env(tmp_path_factory) -> environment.E2EEnv:
     """dsv4-sm120 built into a wheel and installed in the suite's own environment (patch applied)."""
     results.COMMIT_AT_START = results.commit()  # the JSON names the code the wheel was built from
-    return environment.build(_root(tmp_path_factory) / "env")
+    return environment.build(_root(tmp_path_factory) / "env", E2E_DIR / "cpu_testkit")
 
 
 @pytest.fixture(scope="session")
