@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench import run_record
+from harness import run_record
 from harness.servers import free_port
 
 

@@ -33,7 +33,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import run_record
+from harness import run_record
 from tools.airgap import fatbin, policy
 from tools.airgap.bundle import MANIFEST, normalize, sha256
 from bench.gpu_server import models
