@@ -53,9 +53,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.gpu_server import incident, models, pd, traffic
+from bench.gpu_server import incident, pd, traffic
 from bench.gpu_server.servers import ServerSpec, Started, free_port, start
-from harness import checks, cluster, faults, scrape
+from harness import checks, cluster, dsv4_checkpoints, faults, scrape
 
 FAULT_EVERY, FAULT_DELAY_S = 3, 1.5
 RELEASE_TIMEOUT_S = 1
@@ -195,12 +195,12 @@ def _agent_figures(path: Path) -> dict:
 
 def probe_ids(r: int, i: int) -> list[int]:
     """The ``i``-th probe of round ``r``: the same prompt on every lane and on the reference."""
-    return traffic.prompt(61000 + 100 * r + i, PROBE_TOKENS, models.config(incident.PAIR_SHAPE["model"])["vocab_size"])
+    return traffic.prompt(61000 + 100 * r + i, PROBE_TOKENS, dsv4_checkpoints.config(incident.PAIR_SHAPE["model"])["vocab_size"])
 
 
 def ask_probe(prefill, decode, boot: int, r: int, i: int) -> dict:
     """One probe alone: its own-forward selections (the rows from its prompt's length on), or its error."""
-    cfg = models.config(incident.PAIR_SHAPE["model"])
+    cfg = dsv4_checkpoints.config(incident.PAIR_SHAPE["model"])
     ids = probe_ids(r, i)
     try:
         result = traffic.pd_generate(prefill.url, decode.url, boot, ids, PROBE_NEW, room=random.getrandbits(62),
@@ -208,7 +208,7 @@ def ask_probe(prefill, decode, boot: int, r: int, i: int) -> dict:
     except traffic.RequestFailed as exc:
         return {"round": r, "i": i, "error": str(exc)[:600], "http_500": " 500" in str(exc)[:300]}
     return {"round": r, "i": i,
-            "selections": traffic.own_selections(result, len(ids), models.c4_layers(incident.PAIR_SHAPE["model"]),
+            "selections": traffic.own_selections(result, len(ids), dsv4_checkpoints.c4_layers(incident.PAIR_SHAPE["model"]),
                                                  cfg["index_topk"])}
 
 

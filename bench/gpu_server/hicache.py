@@ -42,10 +42,10 @@ import time
 import urllib.parse
 from pathlib import Path
 
-from tools.airgap import jit_cache
-from bench.gpu_server import models, traffic
+from bench.gpu_server import traffic
 from bench.gpu_server.servers import ServerSpec
-from harness import faults
+from harness import dsv4_checkpoints, faults
+from tools.airgap import jit_cache
 
 SESSIONS, GROUPS, ROUNDS, WAVE = 64, 16, 24, 16
 # A wave's ~10 distinct prefixes of 24 pages each (6 C4 layers) are ~3x the device pool: nearly every turn
@@ -171,7 +171,7 @@ def _waves():
 def storm(url: str, deadline: float = float("inf")) -> dict:
     """The storm on one server: per wave its requests' digests (or errors), plus the integrity counters; no
     wave starts after ``deadline`` (time.monotonic())."""
-    vocab = models.config("hicache")["vocab_size"]
+    vocab = dsv4_checkpoints.config("hicache")["vocab_size"]
     prefixes = [traffic.prompt(31000 + g, PREFIX_TOKENS, vocab) for g in range(GROUPS)]
     history = {s: list(prefixes[s % GROUPS]) for s in range(SESSIONS)}
     before = last = scrape(url)
@@ -255,7 +255,7 @@ def _probe_ids(g: int, vocab: int) -> list[int]:
 
 def probe_prime(url: str) -> list:
     """The probe sessions' first turns (their prefixes enter the cache; the storm then pushes them to host)."""
-    vocab = models.config("hicache")["vocab_size"]
+    vocab = dsv4_checkpoints.config("hicache")["vocab_size"]
     turns = []
     for g in range(PROBES):
         ids = _probe_ids(g, vocab) + traffic.prompt(53000 + g, TURN_TOKENS, vocab)
@@ -266,8 +266,8 @@ def probe_prime(url: str) -> list:
 
 def probe_ask(url: str, turns: list, topk: bool) -> list:
     """Each probe session's second turn, one request at a time: its result, or the server's error."""
-    vocab, k = models.config("hicache")["vocab_size"], models.config("hicache")["index_topk"]
-    layers = models.c4_layers("hicache")
+    vocab, k = dsv4_checkpoints.config("hicache")["vocab_size"], dsv4_checkpoints.config("hicache")["index_topk"]
+    layers = dsv4_checkpoints.c4_layers("hicache")
     out = []
     for g, history in enumerate(turns):
         ids = history + traffic.prompt(54000 + g, TURN_TOKENS, vocab)
@@ -285,7 +285,7 @@ def probe_ask(url: str, turns: list, topk: bool) -> list:
 
 def cost_visit(url: str, round_seed: int) -> dict:
     """``COST_SESSIONS`` streamed turns at once on prefixes the device pool cannot hold: TTFT, throughput."""
-    vocab = models.config("hicache")["vocab_size"]
+    vocab = dsv4_checkpoints.config("hicache")["vocab_size"]
     prefixes = [traffic.prompt(31000 + g, PREFIX_TOKENS, vocab) for g in range(GROUPS)]
     ids = [prefixes[s % GROUPS] + traffic.prompt(round_seed * 1000 + s, TURN_TOKENS, vocab) for s in range(COST_SESSIONS)]
     ttft, tokens, errors = [], [0], []

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import dsv4_checkpoints
 from tools.airgap import bundle, pack
-from bench.gpu_server import models
 
 REPO = Path(__file__).resolve().parents[2]
 PART_MB = 1.0
@@ -136,7 +136,7 @@ def test_parts_stay_under_the_limit_and_the_manifest_names_everything(packed):
         assert json.loads((part / "manifest.json").read_text()) == manifest
     assert manifest["python"] == "cp312" and manifest["archs"] == [90]
     assert manifest["project"]["wheel"].startswith("dsv4_sm120-") and "project" in manifest["archives"]
-    assert set(manifest["models"]) == set(models.MODELS) >= {"tiny", "flash12"}
+    assert set(manifest["models"]) == set(dsv4_checkpoints.MODELS) >= {"tiny", "flash12"}
     assert set(manifest["bundled"]) == {"sglang", "bigbin", "small", "nvidia-nccl-cu13", "dill", "jsonschema",
                                         "triton", "tilelang", "z3-solver", "torch"}
     assert manifest["left_to_image"]["numpy"]["reason"] and manifest["dropped"]["flashinfer-python"]["reason"]
@@ -177,8 +177,8 @@ def test_parts_arrive_one_at_a_time_in_any_order_and_finish_sets_up_the_tree(pac
     tool = root / "bin" / "small-tool"  # a native program comes along, runnable; a venv's console script does not
     assert tool.read_bytes() == (venv / "bin" / "small-tool").read_bytes() and os.access(tool, os.X_OK)
     assert not (root / "bin" / "small-cli").exists()
-    for name in models.MODELS:
-        assert json.loads((root / "models" / name / "config.json").read_text()) == models.config(name)
+    for name in dsv4_checkpoints.MODELS:
+        assert json.loads((root / "models" / name / "config.json").read_text()) == dsv4_checkpoints.config(name)
 
     env = (root / "env.sh").read_text()
     assert f"export PYTHONPATH={site}" in env and "TRITON_CACHE_DIR=" in env and "TVM_FFI_CACHE_DIR=" in env

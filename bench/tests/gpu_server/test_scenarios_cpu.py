@@ -18,8 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from bench.gpu_server import hicache, models, scenarios, traffic
-from harness import faults
+from bench.gpu_server import hicache, scenarios, traffic
+from harness import dsv4_checkpoints, faults
 
 
 def _serve(tokens_of, topk_of, stall_after=None, step_s=0.0):
@@ -85,7 +85,7 @@ def _tokens(salt):
 
 
 def _topk(shift, model="tiny"):
-    layers, k = models.c4_layers(model), models.config(model)["index_topk"]
+    layers, k = dsv4_checkpoints.c4_layers(model), dsv4_checkpoints.config(model)["index_topk"]
 
     def topk_of(ids):
         rows = len(ids) + 1
