@@ -18,7 +18,7 @@ run adds beyond that is here, in :data:`BASE_ENV` and :func:`ServerSpec.argv`, w
 Processes are started and stopped through ``harness/servers.py`` (free loopback ports, own session,
 bounded start and stop by PID, logs kept), the same code the CPU end-to-end suite uses, imported by its
 full name: ``python -m bench.gpu_server`` from the repository root puts the checkout first on the path,
-so a package named ``tests`` on a GPU host's image cannot stand in for the suite's.
+so a package named ``harness`` on a GPU host's image cannot stand in for the checkout's.
 """
 
 from __future__ import annotations
