@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from bench import run_record
+from harness import run_record
 
 REPO = run_record.REPO
 

@@ -49,14 +49,14 @@ import multiprocessing as mp
 import os
 import pickle
 import platform
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench import run_record
+from harness import run_record
+from harness.servers import free_port
 
 
 def broadcast_pyobj(data: list, rank: int, group, src: int = 0) -> list:
@@ -205,16 +205,10 @@ def _worker(rank: int, tp: int, port: int, args: dict, results) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(tp: int, args: dict) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, tp, port, args, results)) for r in range(tp)]
     for p in procs:
         p.start()

@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench import run_record
+from harness import run_record
 
 
 def main() -> int:

@@ -87,7 +87,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench import run_record
+from harness import run_record
 from harness import topk_standins
 
 STANDINS_ENV = "DSV4_GUARD_BENCH_STANDINS"  # the stand-ins a --standins run installed, for its spawned ranks

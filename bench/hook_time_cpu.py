@@ -18,7 +18,7 @@ import sys
 import timeit
 from pathlib import Path
 
-from bench import run_record
+from harness import run_record
 
 
 def _variants() -> dict:

@@ -29,7 +29,7 @@ This page is generated from `<topic>/headlines.csv` by `python -m bench.results_
 whether it is stale): edit the CSVs, then run it. Superseded records, repeat runs and most log archives are
 in git history only: `git log --diff-filter=D --stat -- bench/results/` lists each removed file and the
 commit that removed it, and `git show <commit>:<path>` prints it from a commit that still held it. Files
-here without a row are the inputs of `tests/gpu_server/test_compose.py` and the logs of the `abort_safety`
+here without a row are the inputs of `bench/tests/gpu_server/test_compose.py` and the logs of the `abort_safety`
 runs. `serving/` is where `dsv4-sm120 bench-serving` writes your own runs; nothing there is committed.
 """
 

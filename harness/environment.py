@@ -11,7 +11,7 @@ once per session, into a temporary folder:
    reinstalled), with its own copy of the ``sglang`` package in front of them
    (files hard-linked where the filesystem allows; ``patch apply`` replaces the
    files it changes, so the test venv's sglang is never written);
-3. the wheel and the CPU test kit (``tests/e2e/cpu_testkit``, test-only sglang
+3. the wheel and the CPU test kit the caller names (``tests/e2e/cpu_testkit``, test-only sglang
    plugin and ``common_ops``) are ``pip install``-ed into it;
 4. ``dsv4-sm120 doctor`` and ``dsv4-sm120 patch apply`` / ``check`` / ``revert`` run
    from it, as a user runs them after ``pip install dsv4-sm120``; the servers then run
@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TESTKIT = REPO / "tests" / "e2e" / "cpu_testkit"
 
 
 class EnvironmentFailed(RuntimeError):
@@ -71,8 +70,9 @@ def _link_tree(src: Path, dst: Path) -> None:
         shutil.copytree(src, dst)
 
 
-def build(root: Path) -> E2EEnv:
-    """Build the wheel and the environment under ``root``; raise :class:`EnvironmentFailed` on any step."""
+def build(root: Path, testkit: Path) -> E2EEnv:
+    """Build the wheel and the environment under ``root``, with the CPU test kit at ``testkit`` installed too;
+    raise :class:`EnvironmentFailed` on any step."""
     root.mkdir(parents=True, exist_ok=True)
     # Built from a copy of what a source distribution holds, so no build/ folder of an earlier
     # build (setuptools keeps deleted modules there) can leak into the wheel, and the checkout is not written.
@@ -101,7 +101,7 @@ def build(root: Path) -> E2EEnv:
            "--disable-pip-version-check", "--quiet"]
     _run(pip + [wheel])
     kit = root / "cpu_testkit"
-    shutil.copytree(TESTKIT, kit, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build"))
+    shutil.copytree(testkit, kit, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build"))
     _run(pip + [kit])
     env = E2EEnv(root=root, python=python, bin=venv / "bin", wheel=wheel, site_packages=site)
 

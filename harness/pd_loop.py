@@ -67,13 +67,14 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-import socket
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import SimpleNamespace
+
+from harness.servers import free_port
 
 WAITING, BOOTSTRAPPING, WAITING_FOR_INPUT, TRANSFERRING, SUCCESS, FAILED = "W", "B", "WI", "T", "S", "F"
 HIDDEN = 8
@@ -1270,12 +1271,6 @@ def _apply_guard_hooks() -> None:
         hooks.register(dataclasses.replace(settings.load(), collective_guard=True))
         HookRegistry.apply_hooks()
         hooks.apply_peer_hooks()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 _RANK_FILES: list = []  # this rank's open stack file, kept alive for faulthandler's signal handler

@@ -2,8 +2,9 @@
 
 Shared by every test that needs a ``ModelConfig``: a DeepSeek-V4 config shaped
 like V4-Flash's indexer (128-dim index keys, 64 index heads, C4 layers) but
-with few layers, a DeepSeek-V4.1 config (the same plus ratio-1/2 layers with
-their kv and index source layers), and a non-DSV4 config for the refusal paths.
+with few layers, and a DeepSeek-V4.1 config (the same plus ratio-1/2 layers with
+their kv and index source layers). The non-DSV4 checkpoint of the refusal paths is
+``harness.tiny_model.write_tiny_llama``.
 """
 
 from __future__ import annotations
@@ -69,21 +70,3 @@ def write_tiny_dsv41(dirpath: Path) -> Path:
     (dirpath / "config.json").write_text(json.dumps(config))
     return dirpath
 
-
-def write_tiny_llama(dirpath: Path) -> Path:
-    """A non-DeepSeek-V4 checkpoint directory (Llama) with a config.json only."""
-    dirpath.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "vocab_size": 1024,
-        "max_position_embeddings": 2048,
-        "torch_dtype": "bfloat16",
-    }
-    (dirpath / "config.json").write_text(json.dumps(config))
-    return dirpath

@@ -1,7 +1,7 @@
-"""``python -m bench.gpu_server run SET``: serve and measure on a GPU host set up with ``python -m bench.airgap``.
+"""``python -m bench.gpu_server run SET``: serve and measure on a GPU host set up with ``python -m tools.airgap``.
 
 ``run`` owns its arguments (``bench/gpu_server/run.py``); the bundle those servers import is made and set up by
-the air-gap tool (``bench/airgap``).
+the air-gap tool (``tools/airgap``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] != ["run"]:
         print("usage: python -m bench.gpu_server run SET ... (serve and measure; see run --help). The bundle's "
-              "pack, unpack, rehearse and cache moved to: python -m bench.airgap", file=sys.stderr)
+              "pack, unpack, rehearse and cache moved to: python -m tools.airgap", file=sys.stderr)
         return 2
     from bench.gpu_server import run
 

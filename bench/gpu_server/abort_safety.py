@@ -8,7 +8,7 @@ decodes; this set runs it where the incident happened.
 
 Each target is two prefills (HiCache on) and one decode (CUDA graphs), bf16 keys, integrity mode on every
 server, behind the PD router. The first prefill carries the test-only fault ``slow_send``
-(``tests/gpu_server/faults``): one KV send in :data:`FAULT_EVERY` is posted :data:`FAULT_DELAY_S` late, so a
+(``harness/faults``): one KV send in :data:`FAULT_EVERY` is posted :data:`FAULT_DELAY_S` late, so a
 room aborted meanwhile still has its write on the way. Two prefills, because from one prefill rank to one
 decode rank upstream's transfer worker finishes a room's writes before it starts the next room's: a page
 reused by a later room of the same prefill is rewritten by that room after the late write, never before.
@@ -53,9 +53,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.gpu_server import incident, models, pd, traffic
+from bench.gpu_server import incident, pd, traffic
 from bench.gpu_server.servers import ServerSpec, Started, free_port, start
-from harness import checks, cluster, scrape
+from harness import checks, cluster, dsv4_checkpoints, faults, scrape
 
 FAULT_EVERY, FAULT_DELAY_S = 3, 1.5
 RELEASE_TIMEOUT_S = 1
@@ -63,7 +63,6 @@ KILLS = 5
 STREAM_SESSIONS, STREAM_S = 16, 120.0  # new sessions through the router while the kills happen
 MULTI_TURN_SESSIONS, MULTI_TURN_S = 64, 60.0
 SETTLE_S = 90.0
-FAULTS_DIR = Path(__file__).resolve().parents[2] / "tests" / "gpu_server" / "faults"
 DEFERRED = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 TARGETS = {
     "control": {DEFERRED: "0"},
@@ -103,7 +102,7 @@ class Side:
 def _fault_env(control: Path) -> dict:
     return {"DSV4_TEST_FAULT": "slow_send", "DSV4_TEST_FAULT_SEND_EVERY": str(FAULT_EVERY),
             "DSV4_TEST_FAULT_SEND_DELAY_S": str(FAULT_DELAY_S), "DSV4_TEST_FAULT_SEND_CONTROL": str(control),
-            "PYTHONPATH": f"{FAULTS_DIR}:{os.environ.get('PYTHONPATH', '')}"}
+            "PYTHONPATH": faults.pythonpath()}
 
 
 def _spec(name: str, fields: dict, args: list, env: dict, tokenizer: Path, mem_fraction: float | None,
@@ -196,12 +195,12 @@ def _agent_figures(path: Path) -> dict:
 
 def probe_ids(r: int, i: int) -> list[int]:
     """The ``i``-th probe of round ``r``: the same prompt on every lane and on the reference."""
-    return traffic.prompt(61000 + 100 * r + i, PROBE_TOKENS, models.config(incident.PAIR_SHAPE["model"])["vocab_size"])
+    return traffic.prompt(61000 + 100 * r + i, PROBE_TOKENS, dsv4_checkpoints.config(incident.PAIR_SHAPE["model"])["vocab_size"])
 
 
 def ask_probe(prefill, decode, boot: int, r: int, i: int) -> dict:
     """One probe alone: its own-forward selections (the rows from its prompt's length on), or its error."""
-    cfg = models.config(incident.PAIR_SHAPE["model"])
+    cfg = dsv4_checkpoints.config(incident.PAIR_SHAPE["model"])
     ids = probe_ids(r, i)
     try:
         result = traffic.pd_generate(prefill.url, decode.url, boot, ids, PROBE_NEW, room=random.getrandbits(62),
@@ -209,7 +208,7 @@ def ask_probe(prefill, decode, boot: int, r: int, i: int) -> dict:
     except traffic.RequestFailed as exc:
         return {"round": r, "i": i, "error": str(exc)[:600], "http_500": " 500" in str(exc)[:300]}
     return {"round": r, "i": i,
-            "selections": traffic.own_selections(result, len(ids), models.c4_layers(incident.PAIR_SHAPE["model"]),
+            "selections": traffic.own_selections(result, len(ids), dsv4_checkpoints.c4_layers(incident.PAIR_SHAPE["model"]),
                                                  cfg["index_topk"])}
 
 

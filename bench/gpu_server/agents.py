@@ -47,9 +47,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench import hook_time_cpu
-from bench.airgap import jit_cache
 from bench.gpu_server import cpu_use, hicache, pd, step_log, traffic
 from bench.gpu_server.servers import ServerSpec, launch_line, start, wait_healthy
+from tools.airgap import jit_cache
 
 SESSIONS, POOL, CONCURRENCY = 64, 65536, (4, 64)
 REPETITIONS = int(os.environ.get("DSV4_GPU_AGENT_ROUNDS", "3"))  # timed rounds; more narrow the spread

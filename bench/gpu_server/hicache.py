@@ -9,7 +9,7 @@ are evicted, backed up and loaded back all the time; a host pool 8x that):
   fp8 keys the same way; the references without HiCache (a device pool 4x larger, so they never wait);
 - eager controls with upstream's ``SGLANG_TEST_HICACHE_H2D_DELAY_CYCLES`` (a sleep on the H2D stream before
   each layer's load, so that a load lands after a read that does not wait for it): the whole load fence out
-  (the package's and upstream's ``wait_layer_transfer``; a test-side sglang plugin, ``tests/gpu_server/faults``,
+  (the package's and upstream's ``wait_layer_transfer``; a test-side sglang plugin, ``harness/faults``,
   never in the wheel), with integrity mode on (it must count and fail) and off (its top-k must differ from the
   reference's); only the package's fence out (what upstream's own waits give); the fence in (0 and equal);
   and one page corrupted after its load lands (caught, named, quarantined).
@@ -42,9 +42,10 @@ import time
 import urllib.parse
 from pathlib import Path
 
-from bench.airgap import jit_cache
-from bench.gpu_server import models, traffic
+from bench.gpu_server import traffic
 from bench.gpu_server.servers import ServerSpec
+from harness import dsv4_checkpoints, faults
+from tools.airgap import jit_cache
 
 SESSIONS, GROUPS, ROUNDS, WAVE = 64, 16, 24, 16
 # A wave's ~10 distinct prefixes of 24 pages each (6 C4 layers) are ~3x the device pool: nearly every turn
@@ -59,7 +60,6 @@ COST_SESSIONS, COST_ROUNDS = 64, int(os.environ.get("DSV4_GPU_COST_ROUNDS", "3")
 # ~10 ms a layer at the H200's ~2 GHz: each layer's load lands well after an eager forward that does not wait
 # for it has read that layer.
 H2D_DELAY_CYCLES = 20_000_000
-FAULTS_DIR = Path(__file__).resolve().parents[2] / "tests" / "gpu_server" / "faults"
 METRICS = ("index_k_pages_recorded_total", "index_k_page_checks_total", "index_k_pages_verified_total",
            "index_k_page_rechecks_total", "index_k_pages_unrecorded_total", "index_k_mismatches_total",
            "index_k_key_writes_checked_total", "index_k_key_writes_lost_total", "index_k_requests_failed_total",
@@ -86,7 +86,7 @@ def _spec(name: str, index_k: str, hicache: list[str] | None, *, checksum: bool,
     if delay:
         env["SGLANG_TEST_HICACHE_H2D_DELAY_CYCLES"] = str(delay)
     if fault:
-        env.update({"DSV4_TEST_FAULT": fault, "PYTHONPATH": f"{FAULTS_DIR}:{os.environ.get('PYTHONPATH', '')}"})
+        env.update({"DSV4_TEST_FAULT": fault, "PYTHONPATH": faults.pythonpath()})
     if hicache is not None and not graphs:  # the eager controls: half the host pool (host memory for all servers)
         hicache = hicache + ["--hicache-ratio", "4"]
     # The servers without HiCache are the reference: a device pool 4x larger, so they never wait on memory.
@@ -171,7 +171,7 @@ def _waves():
 def storm(url: str, deadline: float = float("inf")) -> dict:
     """The storm on one server: per wave its requests' digests (or errors), plus the integrity counters; no
     wave starts after ``deadline`` (time.monotonic())."""
-    vocab = models.config("hicache")["vocab_size"]
+    vocab = dsv4_checkpoints.config("hicache")["vocab_size"]
     prefixes = [traffic.prompt(31000 + g, PREFIX_TOKENS, vocab) for g in range(GROUPS)]
     history = {s: list(prefixes[s % GROUPS]) for s in range(SESSIONS)}
     before = last = scrape(url)
@@ -255,7 +255,7 @@ def _probe_ids(g: int, vocab: int) -> list[int]:
 
 def probe_prime(url: str) -> list:
     """The probe sessions' first turns (their prefixes enter the cache; the storm then pushes them to host)."""
-    vocab = models.config("hicache")["vocab_size"]
+    vocab = dsv4_checkpoints.config("hicache")["vocab_size"]
     turns = []
     for g in range(PROBES):
         ids = _probe_ids(g, vocab) + traffic.prompt(53000 + g, TURN_TOKENS, vocab)
@@ -266,8 +266,8 @@ def probe_prime(url: str) -> list:
 
 def probe_ask(url: str, turns: list, topk: bool) -> list:
     """Each probe session's second turn, one request at a time: its result, or the server's error."""
-    vocab, k = models.config("hicache")["vocab_size"], models.config("hicache")["index_topk"]
-    layers = models.c4_layers("hicache")
+    vocab, k = dsv4_checkpoints.config("hicache")["vocab_size"], dsv4_checkpoints.config("hicache")["index_topk"]
+    layers = dsv4_checkpoints.c4_layers("hicache")
     out = []
     for g, history in enumerate(turns):
         ids = history + traffic.prompt(54000 + g, TURN_TOKENS, vocab)
@@ -285,7 +285,7 @@ def probe_ask(url: str, turns: list, topk: bool) -> list:
 
 def cost_visit(url: str, round_seed: int) -> dict:
     """``COST_SESSIONS`` streamed turns at once on prefixes the device pool cannot hold: TTFT, throughput."""
-    vocab = models.config("hicache")["vocab_size"]
+    vocab = dsv4_checkpoints.config("hicache")["vocab_size"]
     prefixes = [traffic.prompt(31000 + g, PREFIX_TOKENS, vocab) for g in range(GROUPS)]
     ids = [prefixes[s % GROUPS] + traffic.prompt(round_seed * 1000 + s, TURN_TOKENS, vocab) for s in range(COST_SESSIONS)]
     ttft, tokens, errors = [], [0], []

@@ -14,7 +14,7 @@ import importlib.metadata
 import json
 import time
 
-from bench import run_record
+from harness import run_record
 
 
 def main(argv: list[str] | None = None) -> int:

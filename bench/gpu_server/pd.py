@@ -3,7 +3,7 @@
 Why: the CPU end-to-end suite (``tests/e2e``) puts real sglang PD servers through an abort storm, hostile frames at
 the prefill's bootstrap socket and a decode killed mid-storm, but with a tiny Llama in host memory: no DeepSeek-V4
 forward, no bf16 index-K pages, no GPU memory registered with NIXL. This set runs the same scenarios, through the
-same code (``storm.py``, ``hostile.py``, ``decode_kill.py``, ``checks.py`` of ``tests/e2e``), against
+same code (``storm.py``, ``hostile.py``, ``decode_kill.py``, ``checks.py`` of ``harness/``), against
 ``--model-impl dsv4`` servers of the ``tiny`` checkpoint on one GPU, whose KV and index-K pages NIXL moves between
 GPU buffers over UCX.
 

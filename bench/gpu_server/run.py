@@ -23,7 +23,7 @@ import tarfile
 import time
 from pathlib import Path
 
-from bench import run_record
+from harness import run_record
 from bench.gpu_server import abort_safety, agents, hicache, incident, pd, scenarios
 from bench.gpu_server.servers import Started, launch_line, log_tail, start, wait_healthy
 

@@ -19,8 +19,9 @@ import random
 import statistics
 import time
 
-from bench.gpu_server import models, step_log, traffic
+from bench.gpu_server import step_log, traffic
 from bench.gpu_server.servers import ServerSpec
+from harness import dsv4_checkpoints
 
 GRID = [(1, 128), (1, 2048), (1, 4096), (1, 16384), (8, 128), (8, 4096), (8, 16384), (64, 128), (64, 2048)]
 NEW_TOKENS = 16
@@ -90,8 +91,8 @@ def built_lines(log_text: str) -> list[str]:
 def run_serve(servers: dict, logs: dict, work_dir=None, out: dict | None = None) -> dict:
     """Scenarios a, b, e, f over the started servers (name -> url); ``logs``: name -> callable giving the log.
     ``out`` is filled as the figures come in (a run stopped early keeps what it measured)."""
-    cfg = models.config("tiny")
-    vocab, topk, layers = cfg["vocab_size"], cfg["index_topk"], models.c4_layers("tiny")
+    cfg = dsv4_checkpoints.config("tiny")
+    vocab, topk, layers = cfg["vocab_size"], cfg["index_topk"], dsv4_checkpoints.c4_layers("tiny")
     result = out if out is not None else {}
     result["grid"] = {}
     captured = {}
@@ -217,7 +218,7 @@ def run_cost(servers: dict, logs: dict | None = None, work_dir=None, out: dict |
     (``step_log.py``; ``logs`` gives each server's log). Where the two ratios differ by more than
     ``DISAGREE`` the record says so. Then, with ``work_dir``, a profile of a few steps of every point on every
     server, and the package's step against each upstream kernel's, kernel by kernel."""
-    cfg = models.config("flash12")
+    cfg = dsv4_checkpoints.config("flash12")
     vocab = cfg["vocab_size"]
     names = list(servers)
     result = out if out is not None else {}

@@ -11,14 +11,14 @@ run adds beyond that is here, in :data:`BASE_ENV` and :func:`ServerSpec.argv`, w
 - ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python`` and ``SGLANG_IS_FLASHINFER_AVAILABLE=0``: the bundle
   leaves out sglang's rust radix-tree extension and flashinfer (neither is DSV4-specific; upstream's
   python radix tree and pytorch sampling are its own implementations of the same steps).
-- ``--load-format dummy --skip-tokenizer-init``: the checkpoints are config-only (``models.py``) and
-  requests carry token ids. A spec with a ``tokenizer`` gets ``--tokenizer-path`` instead (the ``pd`` set,
-  whose clients are the CPU end-to-end suite's chat clients).
+- ``--load-format dummy --skip-tokenizer-init``: the checkpoints are config-only
+  (``harness/dsv4_checkpoints.py``) and requests carry token ids. A spec with a ``tokenizer`` gets
+  ``--tokenizer-path`` instead (the ``pd`` set, whose clients are the CPU end-to-end suite's chat clients).
 
 Processes are started and stopped through ``harness/servers.py`` (free loopback ports, own session,
 bounded start and stop by PID, logs kept), the same code the CPU end-to-end suite uses, imported by its
 full name: ``python -m bench.gpu_server`` from the repository root puts the checkout first on the path,
-so a package named ``tests`` on a GPU host's image cannot stand in for the suite's.
+so a package named ``harness`` on a GPU host's image cannot stand in for the checkout's.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class ServerSpec:
     """One server of a run (see the module doc)."""
 
     name: str
-    model: str  # a checkpoint of models.py
+    model: str  # a checkpoint of harness/dsv4_checkpoints.py
     impl: str  # --model-impl: "sglang" or "dsv4"
     graphs: bool = True
     index_k: str = "bf16"  # DSV4_SM120_INDEX_K_DTYPE under --model-impl dsv4

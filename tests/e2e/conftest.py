@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from harness import cluster as cluster_mod
-from harness import environment
+from harness import environment, run_record
 from harness.servers import log_tail
 from tests.e2e import results
 
@@ -57,8 +57,8 @@ def _root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def e2e_env(tmp_path_factory) -> environment.E2EEnv:
     """dsv4-sm120 built into a wheel and installed in the suite's own environment (patch applied)."""
-    results.COMMIT_AT_START = results.commit()  # the JSON names the code the wheel was built from
-    return environment.build(_root(tmp_path_factory) / "env")
+    results.COMMIT_AT_START = run_record.commit()  # the JSON names the code the wheel was built from
+    return environment.build(_root(tmp_path_factory) / "env", E2E_DIR / "cpu_testkit")
 
 
 @pytest.fixture(scope="session")

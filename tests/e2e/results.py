@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import platform
-import subprocess
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True).stdout.strip()
-    return out.stdout.strip() + ("+dirty" if dirty else "")
+from harness import run_record
 
 
 def suite_fix() -> str:
@@ -33,15 +23,13 @@ COMMIT_AT_START = None  # set by the e2e environment when it builds the wheel: t
 def write(path: Path, rows: list[dict]) -> None:
     from importlib.metadata import version
 
-    doc = {
-        "date": datetime.date.today().isoformat(),
+    run_record.write(path, {
+        "date": run_record.now_utc(),
         "device": f"CPU only: {os.cpu_count()} cores, {platform.machine()} ({platform.node()}); no GPU",
-        "commit": COMMIT_AT_START or commit(),
+        "commit": COMMIT_AT_START or run_record.commit(),
         "what": "real sglang.launch_server prefill/decode processes over NIXL (UCX, DRAM) behind the real PD router, "
                 "tiny dummy-weight Llama on CPU; dsv4-sm120 installed from its wheel. No DSV4 model forward; "
                 "timings are this shared 2-core machine's and mean nothing for a GPU host.",
         "sglang": version("sglang"), "sglang_router": version("sglang-router"), "nixl": version("nixl"),
         "scenarios": rows,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    })

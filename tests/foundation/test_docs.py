@@ -1,17 +1,15 @@
-"""The README and docs/ point only at what exists, and name every switch and every metric; bench/results stays small.
+"""The README and docs/ point only at what exists, and name every switch and every metric.
 
 Why: the README is an operator's front page and docs/ holds the evidence behind it. A result file moved
 or renamed, a switch added to settings.py or a collector added to metrics.py must fail here, not leave a
-document citing nothing or silent about a knob. bench/results/README.md is generated from the topics'
-headlines.csv (``bench.results_page``): a CSV edited without regenerating it, a row naming a record that is
-gone, or the folder growing past its budget fails here too. Pure text checks (and git, for a path cited as it
-was at a commit) plus two modules of the package (``settings``, ``metrics``) that import no sglang, so this
-runs in well under a second.
+document citing nothing or silent about a knob. bench/results/README.md counts as a document here; that it
+is what the topics' CSVs give, and the folder's budget, are bench's own tests (``bench/tests/test_results.py``).
+Pure text checks (and git, for a path cited as it was at a commit) plus two modules of the package
+(``settings``, ``metrics``) that import no sglang, so this runs in well under a second.
 """
 
 from __future__ import annotations
 
-import csv
 import itertools
 import re
 import shutil
@@ -20,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from bench import results_page
 from dsv4_sm120 import metrics, settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,16 +25,11 @@ README = REPO / "README.md"
 DOCS = sorted((REPO / "docs").glob("*.md"))
 INDEX = REPO / "bench" / "results" / "README.md"
 RESULTS = REPO / "bench" / "results"
-# Each topic folder's current headline figures, one row a figure, naming its record.
-TOPIC_CSV = "headlines.csv"
-TOPIC_CSV_HEADER = "figure,value,spread,baseline,device,date,commit,record"
-MAX_RESULT_FILES = 40
-MAX_RESULT_BYTES = 5 * 1024 * 1024
 
 # A repository path as the documents write it: from a top-level folder, not inside another path.
-PATH = re.compile(r"(?<![\w./$-])((?:src|tests|bench|docs|patches|\.ci)/[\w./*{},<>$-]*)")
+PATH = re.compile(r"(?<![\w./$-])((?:src|tests|bench|tools|harness|docs|patches|\.ci)/[\w./*{},<>$-]*)")
 # "git show 11c877e:bench/decode_latency_h200.py": a path as it was at a commit, in history and not the tree.
-AT_COMMIT = re.compile(r"(?<![\w./-])([0-9a-f]{7,40}):((?:src|tests|bench|docs|patches|\.ci)/[\w./-]*[\w/])")
+AT_COMMIT = re.compile(r"(?<![\w./-])([0-9a-f]{7,40}):((?:src|tests|bench|tools|harness|docs|patches|\.ci)/[\w./-]*[\w/])")
 # "..._tune_5f3f1cc.json": a result file named by its tail, next to a full path of the same family.
 TAIL = re.compile(r"\.\.\._([\w.*-]+\.(?:json|txt|log))")
 # Run outputs a document describes but the repository does not hold: a user's own serving runs.
@@ -98,36 +90,6 @@ def test_every_result_file_named_by_its_tail_exists():
     missing = [f"{doc.relative_to(REPO)}: ..._{tail}" for doc in _cited_docs() for tail in TAIL.findall(doc.read_text())
                if not any(Path(name).match(f"*_{tail}") for name in results)]
     assert not missing, "no file in bench/results ends so:\n" + "\n".join(missing)
-
-
-def _written_at_run_time(path: Path) -> bool:
-    return f"{path.relative_to(REPO).as_posix()}/".startswith(WRITTEN_AT_RUN_TIME)
-
-
-def test_the_results_page_is_what_the_csvs_give():
-    assert INDEX.read_text() == results_page.render(), "bench/results/README.md is stale: python -m bench.results_page"
-
-
-def test_every_topic_has_a_headlines_csv_with_the_columns_and_existing_records():
-    topics = sorted(p for p in RESULTS.iterdir() if p.is_dir() and not _written_at_run_time(p))
-    assert topics, "bench/results has no topic folder"
-    for topic in topics:
-        table = topic / TOPIC_CSV
-        assert table.is_file(), f"bench/results/{topic.name}/ has no {TOPIC_CSV}"
-        with table.open(newline="") as f:
-            assert f.readline().rstrip("\n") == TOPIC_CSV_HEADER, f"{table.relative_to(REPO)}: not the header {TOPIC_CSV_HEADER}"
-            missing = [row["record"] for row in csv.DictReader(f, fieldnames=TOPIC_CSV_HEADER.split(","))
-                       if not (REPO / row["record"]).is_file()]
-        assert not missing, f"{table.relative_to(REPO)} names records that do not exist: {missing}"
-    loose = [p.name for p in RESULTS.iterdir() if p.is_file() and p.name != "README.md"]
-    assert not loose, f"result files outside a topic folder: {loose}"
-
-
-def test_bench_results_stays_within_its_budget():
-    files = [p for p in RESULTS.rglob("*") if p.is_file() and not _written_at_run_time(p)]
-    size = sum(p.stat().st_size for p in files)
-    assert len(files) <= MAX_RESULT_FILES, f"bench/results holds {len(files)} files, more than {MAX_RESULT_FILES}"
-    assert size <= MAX_RESULT_BYTES, f"bench/results holds {size / 2**20:.1f} MiB, more than {MAX_RESULT_BYTES / 2**20:.0f}"
 
 
 def test_the_readme_links_every_document():

@@ -22,8 +22,9 @@ import textwrap
 
 import pytest
 
+from harness.tiny_model import write_tiny_llama
 from tests.child_env import repo_on_path
-from tests.tiny_checkpoints import write_tiny_dsv4, write_tiny_dsv41, write_tiny_llama
+from tests.tiny_checkpoints import write_tiny_dsv4, write_tiny_dsv41
 
 PROBE = textwrap.dedent(
     """

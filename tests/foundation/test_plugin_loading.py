@@ -16,7 +16,8 @@ import textwrap
 
 import pytest
 
-from tests.tiny_checkpoints import write_tiny_dsv4, write_tiny_llama
+from harness.tiny_model import write_tiny_llama
+from tests.tiny_checkpoints import write_tiny_dsv4
 
 PROBE = textwrap.dedent(
     """

@@ -11,21 +11,16 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
-import socket
 import time
 from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
 
+from harness.servers import free_port
+
 WIDTH = 11  # the prefill loop's vector: 3 queues x (length, digest) + 5 scalars
 ITERS = 300
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _init(rank: int, world: int, port: int):
@@ -69,7 +64,7 @@ def _compare_channels(rank: int, world: int, port: int, split_hosts: bool, out) 
 
 def _run_ranks(target, world: int, *args, timeout_s: float = 120.0) -> list:
     ctx = mp.get_context("fork")
-    out, port = ctx.Queue(), _port()
+    out, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=target, args=(r, world, port, *args, out), daemon=True) for r in range(world)]
     for p in procs:
         p.start()

@@ -21,6 +21,7 @@ from array import array
 import pytest
 import torch
 
+from harness.servers import free_port
 from tests.index_k import cpu_page_mover, test_integrity
 from tests.index_k.host_sync import NoHostSync
 from tests.index_k.pool_harness import SLOTS_PER_FULL_PAGE
@@ -202,12 +203,8 @@ def _tp_rank(rank, port, result, host, device_pool, conn):
 @pytest.mark.parametrize("stack", [True], indirect=True)
 def test_tp_ranks_fail_the_same_requests(stack):
     """A request failed on one rank only would desynchronise the ranks: all fail it, all run the rest."""
-    import socket
-
     result, host, device_pool = stack
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     ctx = multiprocessing.get_context("fork")  # the children reuse this process's sglang import and pools
     pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
     procs = [ctx.Process(target=_tp_rank, args=(rank, port, result, host, device_pool, pipes[rank][1]))

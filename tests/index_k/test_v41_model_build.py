@@ -28,6 +28,7 @@ PROBE = textwrap.dedent(
     from pathlib import Path
     from dsv4_sm120 import settings
     from dsv4_sm120.index_k import gate
+    from harness.servers import free_port
     from tests.kernels import model_build
     from tests.tiny_checkpoints import write_tiny_dsv41
     model_build._stand_in_vllm_ops()
@@ -48,7 +49,7 @@ PROBE = textwrap.dedent(
         model_build._publish(ckpt)
         parallel_state.init_distributed_environment(
             world_size=1, rank=0, local_rank=0, backend="gloo",
-            distributed_init_method=f"tcp://127.0.0.1:{model_build._free_port()}")
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
         parallel_state.initialize_model_parallel(backend="gloo")
         from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
         from dsv4_sm120.model.deepseek_v4 import DeepseekV4ForCausalLMSM120

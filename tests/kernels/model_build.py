@@ -20,12 +20,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import socket
 import sys
 import traceback
 import types
 from pathlib import Path
 
+from harness.servers import free_port
 from tests.tiny_checkpoints import write_tiny_dsv4
 
 # Keys a released DeepSeek-V4 config.json has that the tiny config leaves out; values are the
@@ -47,12 +47,6 @@ def _stand_in_vllm_ops() -> None:
     ops.rotary_embedding = rotary_embedding
     sys.modules.setdefault("vllm", types.ModuleType("vllm"))
     sys.modules.setdefault("vllm._custom_ops", ops)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _checkpoint(root: Path) -> Path:
@@ -155,7 +149,7 @@ def main() -> None:
         _publish(ckpt)
         parallel_state.init_distributed_environment(
             world_size=1, rank=0, local_rank=0, backend="gloo",
-            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
         parallel_state.initialize_model_parallel(backend="gloo")
         result = {}
         for name, dtype, extra in (("bf16", "bf16", {}), ("fp8", "fp8", {}),

@@ -18,7 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from bench.gpu_server import hicache, models, scenarios, traffic
+from bench.gpu_server import hicache, scenarios, traffic
+from harness import dsv4_checkpoints, faults
 
 
 def _serve(tokens_of, topk_of, stall_after=None, step_s=0.0):
@@ -84,7 +85,7 @@ def _tokens(salt):
 
 
 def _topk(shift, model="tiny"):
-    layers, k = models.c4_layers(model), models.config(model)["index_topk"]
+    layers, k = dsv4_checkpoints.c4_layers(model), dsv4_checkpoints.config(model)["index_topk"]
 
     def topk_of(ids):
         rows = len(ids) + 1
@@ -321,7 +322,7 @@ def test_the_fault_plugin_is_found_by_sglangs_plugin_group_only_on_its_path():
 
     probe = ("import importlib.metadata as m; "
              "print(sorted(e.name for e in m.entry_points(group='sglang.srt.plugins')))")
-    env = {**os.environ, "PYTHONPATH": f"{hicache.FAULTS_DIR}:{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONPATH": faults.pythonpath()}
     with_faults = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True).stdout
     plain = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout
     assert "dsv4_test_faults" in with_faults and "dsv4" in with_faults

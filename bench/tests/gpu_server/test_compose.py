@@ -7,7 +7,7 @@ from pathlib import Path
 
 from bench.gpu_server import compose
 
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "results"
 SERVE = RESULTS / "gpu_serving" / "gpu_serving_h200_2026-12-02_serve.json"
 COST = RESULTS / "gpu_serving" / "gpu_serving_h200_2026-12-02_cost_warm_65d0812.json"
 EAGER = RESULTS / "kernels" / "indexer_h200_2026-12-02_eager_65d0812.json"

@@ -13,7 +13,7 @@ them for CPython 3.12 on x86-64 Linux, and takes out two kinds:
 Neither list's requirements are followed: what a dropped package alone needs is dropped with it,
 except what the server imports itself (``ALSO``).
 ``trims`` takes files out of carried distributions (upstream's test trees, kernels built for other
-GPUs or for another Python). The rehearsal (``python -m bench.airgap rehearse``) imports the
+GPUs or for another Python). The rehearsal (``python -m tools.airgap rehearse``) imports the
 server's chain with only the bundle and the image's packages visible, so a wrong entry here shows up
 as a missing module before any GPU host's time is spent.
 """

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from bench.gpu_server import agents
-from tests.gpu_server import gpu_record
+from bench.tests.gpu_server import gpu_record
 
 pytestmark = pytest.mark.gpu
 LEVELS = [str(c) for c in agents.CONCURRENCY]

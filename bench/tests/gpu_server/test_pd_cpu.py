@@ -151,11 +151,11 @@ def test_the_servers_tokenizer_renders_a_storm_prompt_past_2048_tokens_in_dsv4s_
     from sglang.srt.parser.deepseek_recipe_renderer import IMAGE_TOKEN, DeepSeekRecipe
     from transformers import AutoTokenizer
 
-    from bench.gpu_server import models
+    from harness import dsv4_checkpoints
     from dsv4_sm120.instruments import storm_client
 
     tok = AutoTokenizer.from_pretrained(str(pd.write_tokenizer(tmp_path / "tok")))
-    cfg = models.config("tiny")
+    cfg = dsv4_checkpoints.config("tiny")
     assert (tok.bos_token_id, tok.eos_token_id) == (cfg["bos_token_id"], cfg["eos_token_id"])
     assert pd.DSV4_IMAGE_TOKEN == IMAGE_TOKEN
     recipe = DeepSeekRecipe.from_hf_tokenizer("dsv4", tok)  # what sglang builds at startup for a DeepseekV4 model

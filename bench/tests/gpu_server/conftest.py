@@ -1,7 +1,7 @@
 """The GPU sets' CPU tests see no JIT cache but one of their own.
 
 The ``agents`` and ``hicache`` sets look at the cache root after each measured stretch
-(``bench.airgap.jit_cache.compiled_since``) and repeat a stretch that met a compile: the caches of the machine the
+(``tools.airgap.jit_cache.compiled_since``) and repeat a stretch that met a compile: the caches of the machine the
 tests run on must not decide what a test sees.
 """
 

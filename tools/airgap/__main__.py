@@ -1,15 +1,15 @@
-"""``python -m bench.airgap {pack,unpack,rehearse,cache}``: the pin's packages for a GPU host without network.
+"""``python -m tools.airgap {pack,unpack,rehearse,cache}``: the pin's packages for a GPU host without network.
 
 On a host with network, from a venv of the pin built for the GPU host's Python (3.12)::
 
-    python -m bench.airgap pack --venv V --out B            # B/part01, B/part02, ... (55 MiB each)
-    python -m bench.airgap rehearse --bundle B --stage S --image-packages I --from-venv V --python python3.12
+    python -m tools.airgap pack --venv V --out B            # B/part01, B/part02, ... (55 MiB each)
+    python -m tools.airgap rehearse --bundle B --stage S --image-packages I --from-venv V --python python3.12
                                                                 # the import chain, on this CPU host
 
 On the GPU host, one upload per part, then once::
 
-    python -m bench.airgap unpack --part B/partNN --stage /tmp/dsv4-bundle
-    python -m bench.airgap unpack --finish --stage /tmp/dsv4-bundle
+    python -m tools.airgap unpack --part B/partNN --stage /tmp/dsv4-bundle
+    python -m tools.airgap unpack --finish --stage /tmp/dsv4-bundle
     . /tmp/dsv4-bundle/root/env.sh
 
 Between GPU hosts, ``cache save --out DIR`` and ``cache load DIR/jit_cache.tar.xz.*`` carry the JIT caches
@@ -36,7 +36,7 @@ def _archs(text: str) -> tuple[int, ...]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.airgap", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tools.airgap", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -73,7 +73,7 @@ def parser() -> argparse.ArgumentParser:
                                                    "distributions the bundle leaves to the image")
     rh.add_argument("--python", default=sys.executable, help="the interpreter to rehearse with (the bundle's)")
 
-    jc = sub.add_parser("cache", help="carry the GPU host's JIT caches to the next host (bench/airgap/jit_cache.py)")
+    jc = sub.add_parser("cache", help="carry the GPU host's JIT caches to the next host (tools/airgap/jit_cache.py)")
     jc.add_argument("action", choices=("save", "load"))
     jc.add_argument("parts", nargs="*", type=Path, help="with load, right after it: the jit_cache.tar.xz.NN files of one save")
     jc.add_argument("--cache-root", type=Path, default=None, help="default $DSV4_CACHE_ROOT or STAGE/cache")
@@ -86,20 +86,20 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "pack":
-        from bench.airgap import pack
+        from tools.airgap import pack
 
         manifest = pack.pack(args.venv, args.out, args.part_mb, args.arch, args.cache, args.xz_level, args.threads,
                              triton=args.triton, tilelang=args.tilelang, pd=args.pd)
         pack.report(manifest, args.out)
         return 0
     if args.command == "unpack":
-        from bench.airgap import bundle
+        from tools.airgap import bundle
 
         if args.part:
             return bundle.add_part(args.part, args.stage)
         return bundle.finish(args.stage, args.cache_root, args.host_site, force=args.force)
     if args.command == "cache":
-        from bench.airgap import jit_cache
+        from tools.airgap import jit_cache
 
         root = args.cache_root or jit_cache.default_root()
         if args.action == "save":
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"{jit_cache.load(args.parts, root)} cache files into {root}")
         return 0
-    from bench.airgap import rehearse
+    from tools.airgap import rehearse
 
     return rehearse.main(args.stage, args.image_packages, args.from_venv, args.python, args.bundle)
 

@@ -1,9 +1,9 @@
 """Test-only faults for the GPU HiCache controls, loaded by sglang as a plugin of its own.
 
-This folder goes on a control server's ``PYTHONPATH`` (``bench/gpu_server/hicache.py``); its dist-info
-registers :func:`register` in the ``sglang.srt.plugins`` group, so every process of that server loads it
-beside the package. Nothing here is in the wheel and no product switch reaches it; ``DSV4_TEST_FAULT``
-picks the fault:
+This folder goes on a control server's ``PYTHONPATH`` (``harness.faults.pythonpath``, for
+``bench/gpu_server/hicache.py`` and ``abort_safety.py``); its dist-info registers :func:`register` in the
+``sglang.srt.plugins`` group, so every process of that server loads it beside the package. Nothing here is
+in the wheel and no product switch reaches it; ``DSV4_TEST_FAULT`` picks the fault:
 
 - ``plant_one_page``: after upstream's copy kernel has loaded a bf16 index-K layer back from host (and
   before the C4 indexer reads it), one byte of one loaded page is flipped, once per process: the

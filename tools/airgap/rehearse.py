@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from bench.airgap import bundle, pack
+from tools.airgap import bundle, pack
 
 # The server's import chain: entry points, the three processes, DSV4's model, attention, indexer and
 # HiCache, the kernels libraries, upstream's TileLang kernels, and the plugin.

@@ -1,4 +1,4 @@
-"""What every benchmark's record starts with, written one way: when it ran and which commit it ran.
+"""What every record starts with, a benchmark's or the e2e suite's, written one way: when it ran and which commit.
 
 The commit is ``given`` (a ``--commit`` argument) when there is one, else ``$COMMIT`` (a copy of the tree on a
 GPU host may lack ``.git`` or hold a stale one, so whoever ships it passes the commit; ``COMMIT_DIRTY=1`` marks

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.airgap import bundle, pack
-from bench.gpu_server import models
+from harness import dsv4_checkpoints
+from tools.airgap import bundle, pack
 
 REPO = Path(__file__).resolve().parents[2]
 PART_MB = 1.0
@@ -102,7 +102,7 @@ def venv(tmp_path_factory) -> Path:
 
 
 def _pack(venv: Path, out: Path, cache: Path, *flags: str) -> Path:
-    subprocess.run([sys.executable, "-m", "bench.airgap", "pack", "--venv", str(venv), "--out", str(out),
+    subprocess.run([sys.executable, "-m", "tools.airgap", "pack", "--venv", str(venv), "--out", str(out),
                     "--part-mb", str(PART_MB), "--cache", str(cache), "--xz-level", "6", *flags],
                    cwd=REPO, check=True, capture_output=True, text=True)
     return out
@@ -123,7 +123,7 @@ def _manifest(out: Path) -> dict:
 
 
 def _unpack(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bench.airgap", "unpack", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "tools.airgap", "unpack", *map(str, args)],
                           cwd=REPO, capture_output=True, text=True)
 
 
@@ -136,7 +136,7 @@ def test_parts_stay_under_the_limit_and_the_manifest_names_everything(packed):
         assert json.loads((part / "manifest.json").read_text()) == manifest
     assert manifest["python"] == "cp312" and manifest["archs"] == [90]
     assert manifest["project"]["wheel"].startswith("dsv4_sm120-") and "project" in manifest["archives"]
-    assert set(manifest["models"]) == set(models.MODELS) >= {"tiny", "flash12"}
+    assert set(manifest["models"]) == set(dsv4_checkpoints.MODELS) >= {"tiny", "flash12"}
     assert set(manifest["bundled"]) == {"sglang", "bigbin", "small", "nvidia-nccl-cu13", "dill", "jsonschema",
                                         "triton", "tilelang", "z3-solver", "torch"}
     assert manifest["left_to_image"]["numpy"]["reason"] and manifest["dropped"]["flashinfer-python"]["reason"]
@@ -177,8 +177,8 @@ def test_parts_arrive_one_at_a_time_in_any_order_and_finish_sets_up_the_tree(pac
     tool = root / "bin" / "small-tool"  # a native program comes along, runnable; a venv's console script does not
     assert tool.read_bytes() == (venv / "bin" / "small-tool").read_bytes() and os.access(tool, os.X_OK)
     assert not (root / "bin" / "small-cli").exists()
-    for name in models.MODELS:
-        assert json.loads((root / "models" / name / "config.json").read_text()) == models.config(name)
+    for name in dsv4_checkpoints.MODELS:
+        assert json.loads((root / "models" / name / "config.json").read_text()) == dsv4_checkpoints.config(name)
 
     env = (root / "env.sh").read_text()
     assert f"export PYTHONPATH={site}" in env and "TRITON_CACHE_DIR=" in env and "TVM_FFI_CACHE_DIR=" in env
@@ -288,7 +288,7 @@ def test_arch_and_flags_choose_what_is_carried(venv, tmp_path):
 def test_jit_cache_save_splits_within_the_size_and_load_puts_every_file_back(tmp_path):
     import os
 
-    from bench.airgap import __main__ as cli
+    from tools.airgap import __main__ as cli
 
     root = tmp_path / "cache"
     for i in range(3):
@@ -319,6 +319,6 @@ def test_a_python_that_cannot_build_the_wheel_is_told_which_and_what_it_needs(mo
     problem = pack.wheel_builder_problem()
     assert (problem is not None) == refused
     if refused:
-        assert sys.executable in problem and "setuptools >= 70.1" in problem and ".venv/bin/python -m bench" in problem
+        assert sys.executable in problem and "setuptools >= 70.1" in problem and ".venv/bin/python -m tools.airgap" in problem
         with pytest.raises(SystemExit, match="setuptools >= 70.1"):
             pack.build_project_wheel(Path("/nonexistent"))

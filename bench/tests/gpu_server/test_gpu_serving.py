@@ -5,7 +5,7 @@
 sends the grid of greedy batches and stops everything; these tests read its JSON. Run on the GPU host,
 from the repository root, in the unpacked bundle's environment::
 
-    source /tmp/dsv4-bundle/root/env.sh && python -m pytest -m gpu tests/gpu_server -p no:cacheprovider
+    source /tmp/dsv4-bundle/root/env.sh && python -m pytest -m gpu bench/tests/gpu_server -p no:cacheprovider
 
 ``DSV4_GPU_SERVING_JSON`` names where the run's JSON goes (default: a temporary directory).
 """

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gpu_server import gpu_record
+from bench.tests.gpu_server import gpu_record
 
 pytestmark = pytest.mark.gpu
 SIDES = ("prefill", "decode", "router")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.airgap import fatbin
+from tools.airgap import fatbin
 
 SASS, PTX = 2, 1
 

@@ -15,7 +15,7 @@ the one it held: after a repack that changed only the project, only the last par
   linked there beside the bundled ``nvidia/nccl`` (torch 2.14.1 needs NCCL 2.30.7; the image's
   2.28.9 lacks ``ncclCommResume``);
 - the project's wheel is installed into ``root/site`` and its console scripts into ``root/bin``;
-- ``root/models`` gets the checkpoints of ``models.py``;
+- ``root/models`` gets the checkpoints of ``harness/dsv4_checkpoints.py``;
 - ``root/env.sh`` sets the paths and points every JIT cache under one cache root that can be kept
   between runs (a warm cache saves about two minutes of nvcc per server start);
 - ``root/bundle.json`` says what is there;
@@ -45,7 +45,7 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-from bench.gpu_server import models
+from harness import dsv4_checkpoints
 
 MANIFEST = "manifest.json"
 # Versions bundle.json reports, by distribution name.
@@ -142,7 +142,7 @@ def add_part(part: Path, stage: Path) -> int:
     print(f"parts present ({len(present)}/{len(manifest['parts'])}): {' '.join(present) or '-'}")
     print(f"parts missing: {' '.join(missing) or '-'}")
     if not missing:
-        print(f"all parts present: python -m bench.airgap unpack --finish --stage {stage}")
+        print(f"all parts present: python -m tools.airgap unpack --finish --stage {stage}")
     return 1 if damaged else 0
 
 
@@ -183,7 +183,7 @@ def finish(stage: Path, cache_root: Path | None = None, host_site: Path | None =
     host_site = host_site or find_host_site()
     linked = link_host_libraries(site, host_site)
     scripts = install_wheel(root / "wheels" / manifest["project"]["wheel"], site, root / "bin")
-    checkpoints = models.write_all(root / "models")
+    checkpoints = dsv4_checkpoints.write_all(root / "models")
     cache_root = (cache_root or stage / "cache").resolve()
     pd = set_up_pd(manifest.get("pd") or {}, site, root / "bin")
     env = write_env(root, cache_root, manifest["bundle"], pd.get("library_path", []))
@@ -376,7 +376,7 @@ def write_env(root: Path, cache_root: Path, bundle_id: str, library_path: list[s
     loader = [f'export LD_LIBRARY_PATH={q(":".join(library_path))}"${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"',
               ] if library_path else []
     lines = [
-        f"# bundle {bundle_id}, set up by `python -m bench.airgap unpack --finish`: source it before serving.",
+        f"# bundle {bundle_id}, set up by `python -m tools.airgap unpack --finish`: source it before serving.",
         f"export DSV4_BUNDLE_ROOT={q(str(root))}",
         f"export DSV4_BUNDLE_PYTHON={q(sys.executable)}",
         f'export PYTHONPATH={q(str(root / "site"))}"${{PYTHONPATH:+:$PYTHONPATH}}"',

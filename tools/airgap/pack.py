@@ -33,10 +33,9 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import run_record
-from bench.airgap import fatbin, policy
-from bench.airgap.bundle import MANIFEST, normalize, sha256
-from bench.gpu_server import models
+from harness import dsv4_checkpoints, run_record
+from tools.airgap import fatbin, policy
+from tools.airgap.bundle import MANIFEST, normalize, sha256
 
 try:
     from packaging.requirements import Requirement
@@ -237,7 +236,7 @@ def wheel_builder_problem() -> str | None:
     return (f"pack builds the project's wheel offline with this python's setuptools ({sys.executable}: setuptools "
             f"{version or 'not installed'}, no 'wheel' package); it needs setuptools >= 70.1 or the 'wheel' package. "
             f"Run pack with the project's environment (python3 -m venv .venv && .venv/bin/pip install -e '.[test]', "
-            f"then .venv/bin/python -m bench.airgap pack ...), or: {sys.executable} -m pip install 'setuptools>=70.1'")
+            f"then .venv/bin/python -m tools.airgap pack ...), or: {sys.executable} -m pip install 'setuptools>=70.1'")
 
 
 def build_project_wheel(out: Path) -> Path:
@@ -437,8 +436,8 @@ def _manifest(selection: Selection, python_tag: str, archs, wheel: Path, content
         "platform": "linux x86_64",
         "archs": list(archs),
         "project": {**_git_commit(), "wheel": wheel.name, "wheel_sha256": sha256(wheel)},
-        "models": {name: hashlib.sha256(json.dumps(models.config(name), sort_keys=True).encode()).hexdigest()
-                   for name in models.MODELS},
+        "models": {name: hashlib.sha256(json.dumps(dsv4_checkpoints.config(name), sort_keys=True).encode()).hexdigest()
+                   for name in dsv4_checkpoints.MODELS},
         "archives": contents,
         "bundled": {n: {"version": d.version, "archive": holder[f"{d.name} {d.version}"]}
                     for n, d in sorted(selection.carried.items())},

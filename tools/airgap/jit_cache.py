@@ -7,8 +7,8 @@ carrying the cache root (``DSV4_CACHE_ROOT``, which ``env.sh`` points every cach
 xz parts no larger than a given size (uploads and downloads may be limited per file), ``load`` puts them back.
 Standard library only, like ``unpack``.
 
-    python -m bench.airgap cache save --out DIR [--part-mb 15]     # DIR/jit_cache.tar.xz.00, .01, ...
-    python -m bench.airgap cache load DIR/jit_cache.tar.xz.*
+    python -m tools.airgap cache save --out DIR [--part-mb 15]     # DIR/jit_cache.tar.xz.00, .01, ...
+    python -m tools.airgap cache load DIR/jit_cache.tar.xz.*
 
 The same root tells a benchmark when a measured stretch waited on a compile (:func:`compiled_since`, :func:`during`).
 """

@@ -1,7 +1,7 @@
 """The bars of the HiCache integrity run on real figures: ``python -m bench.gpu_server run hicache``.
 
 On a CUDA host with the pin this runs the set (about ten minutes) and asserts on its record;
-``DSV4_GPU_HICACHE_JSON=<record>`` asserts on a record a run wrote instead (``tests.gpu_server.gpu_record``).
+``DSV4_GPU_HICACHE_JSON=<record>`` asserts on a record a run wrote instead (``bench.tests.gpu_server.gpu_record``).
 Selected with ``-m gpu``; without a CUDA device and no record it fails.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gpu_server import gpu_record
+from bench.tests.gpu_server import gpu_record
 
 pytestmark = pytest.mark.gpu
 
