@@ -56,6 +56,8 @@ SPECS: dict[str, tuple] = {
     "pd_page_rereads_total": ("counter", "Received page rows re-read and compared at their request's decode forwards", ()),
     "pd_late_writes_total": ("counter", "Received pages found changed while their request decoded (a late NIXL write), once per request and page", ()),
     "pd_late_write_requests_failed_total": ("counter", "Requests failed because a late NIXL write changed their received KV", ()),
+    "pd_late_write_holds_released_total": ("counter", "Requests failed for a late write whose held KV went back to the allocator, by why (waited: the hold time passed and the aborted rooms held at the verdict were released; prefill_lost)", ("why",)),
+    "pd_late_write_tokens_held": ("gauge", "KV tokens of requests failed for a late write, kept out of the allocator now", (), "livesum"),
     # index-K integrity (HiCache and PD)
     "index_k_pages_recorded_total": ("counter", "bf16 index-K page rows checksummed at HiCache backup", ()),
     "index_k_page_checks_total": ("counter", "bf16 index-K page rows HiCache loaded, checked where the C4 indexer read them", ()),

@@ -377,6 +377,13 @@ MANIFEST: tuple[Touch, ...] = (
           "A PD index-K mismatch becomes the room's failure reason, read by the decode's abort path."),
     Touch("sglang.srt.disaggregation.base.conn.KVPoll", "calls", "index_k",
           "Room states the PD integrity hooks compare and answer."),
+    Touch("sglang.srt.mem_cache.common.release_kv_cache", "around", "index_k",
+          "A request failed for a late write enters the decode's hold list instead of freeing its KV. The guard "
+          "calls it to free the KV of a request held by some TP ranks only, or of a disagreeing batch's request."),
+    Touch("sglang.srt.disaggregation.decode.DecodeTransferQueue._do_release", "around", "index_k",
+          "A held late-write request gives back its KV only: its transfer's metadata slot went back long ago."),
+    Touch("sglang.srt.disaggregation.decode.DecodeRequest", "calls", "index_k",
+          "A request failed for a late write enters the hold list as one, its receiver answering whether it drained."),
     # --- hicache: bf16 index-K host mirror ---
     Touch(
         "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler.register_stack_strategy",
@@ -582,12 +589,6 @@ MANIFEST: tuple[Touch, ...] = (
         "calls",
         "guard",
         "Marks a request dropped by the guard as aborted with the reason.",
-    ),
-    Touch(
-        "sglang.srt.mem_cache.common.release_kv_cache",
-        "calls",
-        "guard",
-        "Frees the KV of a request held by some TP ranks only, or of a disagreeing batch's request (no checkpoint).",
     ),
     Touch(
         "sglang.srt.mem_cache.common.discard_kv_cache_backup",

@@ -7,7 +7,8 @@ like bf16 index-K page rows (16384 B) and both sides' PD layout tagged
 ``index_k:bf16``, as a bf16 DSV4 pool registers them. Only the model is absent:
 the pages hold random bytes. The checksum runs on CPU tensors (the kernel's torch
 reference); its CUDA path on VRAM (a side stream, a pinned copy behind an event) is
-tested here and in tests/kernels/test_gpu.py (-m gpu).
+tested here and in tests/kernels/test_gpu.py (-m gpu). The hold of a request failed for a late write runs on
+upstream's own decode KV books on CPU (``tests.nixl.late_writes.DecodeKV``).
 
 The hooks are registered as ``load_plugins`` registers them with the switch on;
 ``DSV4_SM120_INDEX_K_CHECKSUM=0 pytest tests/index_k/test_pd_integrity.py``
@@ -378,13 +379,16 @@ def _decode_forward(req):
     return SimpleNamespace(reqs=[req], forward_mode=SimpleNamespace(is_decode=lambda: True))
 
 
-def _forwards(batch, n: int) -> None:
+def _forwards(batch, n: int, hold_list=None) -> None:
+    """``n`` decode forwards of ``batch`` on a scheduler of one attention TP rank, whose transfer queue (with its
+    hold list) is ``hold_list``."""
     from types import SimpleNamespace
 
     from dsv4_sm120.index_k import pd_late_writes
 
+    scheduler = SimpleNamespace(attn_tp_size=1, disagg_decode_transfer_queue=hold_list)
     for _ in range(n):
-        pd_late_writes.run_batch(lambda scheduler, batch: None, SimpleNamespace(attn_tp_size=1), batch)
+        pd_late_writes.run_batch(lambda scheduler, batch: None, scheduler, batch)
 
 
 def test_a_late_nixl_write_into_received_pages_fails_the_request_at_its_next_reread(pd, sides):
@@ -469,6 +473,129 @@ def test_a_late_write_after_the_sampled_rereads_is_found_at_the_requests_last_fo
     late.dst = own
     _finish(pd, late)
     _finish(pd, s)
+
+
+HOLD_S = 0.3  # the decode's deferred-release timeout in the hold tests
+
+
+def _write_late_into(pd, pages) -> None:
+    """Another room's NIXL write lands in ``pages`` (what an aborted room's late write does), and concludes."""
+    late = pd.open(n_pages=len(pages))
+    own = late.dst
+    late.dst = np.array(pages, dtype=late.dst.dtype)
+    _transfer(pd, late)
+    late.dst = own  # the loopback's books get the late room's own pages back, not the request's twice
+    _finish(pd, late)
+
+
+def test_a_request_failed_for_a_late_write_keeps_its_kv_out_of_the_allocator_until_no_write_can_reach_it(pd, sides):
+    """The aborted room whose write landed late may have more writes on their way (NIXL cannot cancel one), so
+    the request failed for it must not give its pages to the next request when it finishes. Its KV stays out of
+    upstream's allocator, in upstream's hold list, so that the scheduler's idle leak check finds nothing amiss,
+    and goes back once the deferred-release timeout has passed; then the books balance with nothing held."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    from dsv4_sm120.index_k import pd_late_write_hold, pd_late_writes
+    from tests.nixl.late_writes import DecodeKV
+
+    sides(True, True)
+    s = pd.open(n_pages=6)
+    _transfer(pd, s)
+    assert s.receiver.poll() == KVPoll.Success
+    kv = DecodeKV(HOLD_S)
+    req = kv.admit(s.room, pages=6)
+    batch = _decode_forward(req)
+    _forwards(batch, 1, kv.queue)  # the first forward's re-read: clean
+    _write_late_into(pd, s.dst[1:3])
+    _forwards(batch, pd_late_writes.EVERY + 1, kv.queue)  # the next re-read finds it, a later forward fails the request
+    assert isinstance(req.to_finish, FINISH_ABORT)
+    kv.finish(req)
+    own = 6 * kv.PAGE
+    assert kv.free_tokens() == kv.total - own, (
+        "the failed request's pages went back to the allocator at its finish, where the late writer's next write "
+        "lands in another request's KV")
+    assert [h.req for h in pd_late_write_hold.held(kv.queue)] == [req] and kv.queue.has_pending_deferred_releases()
+    assert kv.idle_leaks() == [], "the held pages read as a leak to the scheduler's idle check"
+    assert pd_late_write_hold.sample_gauges() == {"pd_late_write_tokens_held": own}
+    kv.queue.resolve_deferred_releases()
+    assert kv.free_tokens() == kv.total - own, "the held pages went back before the deferred-release timeout"
+    time.sleep(HOLD_S)
+    kv.queue.resolve_deferred_releases()
+    assert kv.free_tokens() == kv.total and not kv.queue.has_pending_deferred_releases()
+    assert kv.idle_leaks() == [] and pd_late_write_hold.sample_gauges() == {"pd_late_write_tokens_held": 0}
+    _finish(pd, s)
+
+
+def _held_behind_an_aborted_room(pd, kv, deliver):
+    """A request failed for a late write while the hold list holds an aborted room whose prefill acknowledgement
+    is on its way; returns (the request, the room's entry)."""
+    from sglang.srt.disaggregation.decode import DecodeRequest
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    from dsv4_sm120.index_k import pd_late_write_hold
+    from tests.polling import wait_until
+
+    aborted = pd.open(n_pages=2)
+    pd.send_metadata(aborted)
+    pd.abort(aborted)  # the decode aborts it; its ABORT_ACK comes back, held on its way
+    assert wait_until(lambda: deliver.held, 10.0), "the prefill never acknowledged the abort"
+    room = DecodeRequest(req=kv.admit(aborted.room, pages=2), kv_receiver=aborted.receiver, metadata_buffer_index=0)
+    kv.queue._defer_release(room)
+    failed = kv.admit(pd.new_room(), pages=4)
+    failed.to_finish = FINISH_ABORT("a late write")
+    pd_late_write_hold.fail(failed, pd.addr, kv.queue)
+    kv.finish(failed)
+    return failed, room
+
+
+def _held(kv, req) -> bool:
+    from dsv4_sm120.index_k import pd_late_write_hold
+
+    return any(h.req is req for h in pd_late_write_hold.held(kv.queue))
+
+
+def test_a_late_write_hold_outlasts_the_aborted_rooms_held_at_its_verdict(pd):
+    """Any aborted room the decode still holds when the late write is found may be its writer: the failed
+    request's pages stay held past the timeout while such a room is held (here quarantined past the timeout, as
+    NIXL hardening does without the prefill's acknowledgement), and go back once it was released."""
+    from tests.nixl.late_writes import DecodeKV, acks_on_their_way
+
+    kv = DecodeKV(HOLD_S)
+    with acks_on_their_way(pd.decode) as deliver:
+        failed, room = _held_behind_an_aborted_room(pd, kv, deliver)
+        time.sleep(HOLD_S)
+        kv.queue.resolve_deferred_releases()
+        assert _held(kv, failed), "the hold ended at its timeout while an aborted room that may write was still held"
+        deliver()
+    kv.queue.resolve_deferred_releases()  # the room drained: upstream releases it
+    assert not any(entry[0] is room for entry in kv.queue._deferred_releases)
+    kv.queue.resolve_deferred_releases()
+    assert not _held(kv, failed) and kv.free_tokens() == kv.total and kv.idle_leaks() == []
+    assert pd.quiesce(10.0)  # the aborted room concludes on the loopback too
+    pd.recycle()
+
+
+def test_a_late_write_hold_ends_at_once_when_the_heartbeat_loses_the_prefill(pd, monkeypatch):
+    """A prefill the decode's heartbeat declared lost writes no more: the hold ends at once, before its timeout
+    and while the aborted room (upstream's business) is still held."""
+    from dsv4_sm120.nixl import decode_hold
+    from tests.nixl.late_writes import DecodeKV, acks_on_their_way
+
+    monkeypatch.setattr(decode_hold, "_lost_at", {})
+    kv = DecodeKV(60.0)
+    with acks_on_their_way(pd.decode) as deliver:
+        failed, room = _held_behind_an_aborted_room(pd, kv, deliver)
+        kv.queue.resolve_deferred_releases()
+        assert _held(kv, failed)
+        decode_hold.prefill_lost(None, pd.decode, pd.addr)  # the heartbeat's verdict (AFTER _handle_node_failure)
+        kv.queue.resolve_deferred_releases()
+        assert not _held(kv, failed), "the hold outlived the prefill the heartbeat declared lost"
+        assert any(entry[0] is room for entry in kv.queue._deferred_releases)
+    kv.queue.resolve_deferred_releases()
+    assert kv.free_tokens() == kv.total and kv.idle_leaks() == []
+    assert pd.quiesce(10.0)
+    pd.recycle()
 
 
 @pytest.mark.gpu

@@ -7,8 +7,11 @@ What cannot run on a CPU without a scheduler is played here, and only that:
   stalled transport), the fault that lets a write land after its room was aborted;
 - :class:`HoldList`: upstream's own ``DecodeTransferQueue`` (``_defer_release`` and
   ``resolve_deferred_releases`` unchanged), built without a scheduler: releasing a request hands its
-  destination pages to a callback instead of the KV allocator, and the TP reduction runs over a real
-  one-rank gloo group;
+  destination pages to a callback instead of the KV allocator (or, given a tree cache, to upstream's
+  ``_release_request``), and the TP reduction runs over a real one-rank gloo group;
+- :class:`DecodeKV`: a decode's KV books, upstream's own classes on CPU (request rows, paged token allocator,
+  the radix tree a PD decode runs disabled, the idle memory-leak check) under such a hold list;
+- :func:`acks_on_their_way`: the decode's incoming ABORT_ACKs are delayed until the test delivers them;
 - :class:`AckListener`: a decode endpoint of the test's own, where the prefill's ABORT_ACKs for an ABORT
   the test sent arrive.
 """
@@ -84,15 +87,18 @@ class _Slots:
 
 
 class _Scheduler:
+    enable_hisparse = False
+
     class metrics_reporter:  # noqa: N801 - the attribute upstream reads
         enable_metrics = False
 
 
 class HoldList:
     """Upstream's ``DecodeTransferQueue`` deferred-release path; ``released(decode_req)`` runs where the pages
-    would go back to the allocator."""
+    would go back to the allocator (``released=None``: upstream's ``_release_request`` gives them back to
+    ``tree_cache``'s allocator)."""
 
-    def __init__(self, timeout_s: float, released):
+    def __init__(self, timeout_s: float, released=None, tree_cache=None):
         from sglang.srt.disaggregation.decode import DecodeTransferQueue
 
         queue = object.__new__(DecodeTransferQueue)
@@ -104,7 +110,9 @@ class HoldList:
         queue.enable_staging = False
         queue.metadata_buffers = queue.req_to_metadata_buffer_idx_allocator = _Slots()
         queue.scheduler = _Scheduler()
-        queue._release_request = released
+        queue.tree_cache = tree_cache
+        if released is not None:
+            queue._release_request = released
         self.queue = queue
 
     def hold(self, session):
@@ -122,6 +130,101 @@ class HoldList:
 
     def held(self) -> int:
         return len(self.queue._deferred_releases)
+
+
+class DecodeKV:
+    """A decode's KV books as upstream keeps them, on CPU, and its hold list (:class:`HoldList`): a request-row
+    pool, a paged token allocator, the radix tree a PD decode runs (disabled), and the invariant checker the
+    scheduler's idle self-check runs."""
+
+    PAGE = 16
+
+    def __init__(self, release_timeout_s: float, pages: int = 64, rows: int = 8):
+        import torch
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+        from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
+        from sglang.srt.managers.scheduler_components.pool_stats_observer import SchedulerPoolStatsObserver
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+        from sglang.srt.mem_cache.unified_cache.components import ComponentType
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        self.rows = ReqToTokenPool(size=rows, max_context_len=pages * self.PAGE, device="cpu", enable_memory_saver=False)
+        self.allocator = PagedTokenToKVPoolAllocator(size=pages * self.PAGE, page_size=self.PAGE, dtype=torch.bfloat16,
+                                                     device="cpu", kvcache=None, need_sort=False)
+        self.tree = UnifiedRadixCache(CacheInitParams(
+            disable=True, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.allocator,
+            page_size=self.PAGE, tree_components=(ComponentType.FULL,)))
+        self.total = self.allocator.size
+        books = dict(tree_cache=self.tree, token_to_kv_pool_allocator=self.allocator, req_to_token_pool=self.rows,
+                     is_hybrid_swa=False, is_hybrid_ssm=False, full_tokens_per_layer=None, swa_tokens_per_layer=None,
+                     max_total_num_tokens=self.total)
+        self.observer = SchedulerPoolStatsObserver(session_controller=None, hisparse_coordinator=None,
+                                                   enable_hisparse=False, **books)
+        self.checker = SchedulerInvariantChecker(
+            disaggregation_mode=DisaggregationMode.DECODE, page_size=self.PAGE, pool_stats_observer=self.observer,
+            get_last_batch=lambda: None, get_running_batch=lambda: None, scheduler_stage_metrics=None, **books)
+        self.queue = HoldList(release_timeout_s, tree_cache=self.tree).queue
+
+    def admit(self, room: int, pages: int):
+        """A request of room ``room`` whose received KV fills ``pages`` pages, allocated as the decode's
+        preallocation does (a request row, its token slots written into it)."""
+        from array import array
+
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        tokens = pages * self.PAGE
+        req = Req(f"req-{room}", "", array("q", range(tokens)), SamplingParams(max_new_tokens=1 << 20),
+                  bootstrap_room=room)
+        self.rows.alloc([req])
+        self.rows.write((req.kv.req_pool_idx, slice(0, tokens)), self.allocator.alloc(tokens))
+        req.kv.kv_committed_len = req.kv.kv_allocated_len = tokens
+        return req
+
+    def finish(self, req) -> None:
+        """What upstream's decode result processing does for a request whose ``to_finish`` is set: finish it, then
+        release its KV (with a checkpoint into the tree), through its own module's binding."""
+        from sglang.srt.managers.scheduler_components import batch_result_processor
+
+        req.update_finish_state()
+        batch_result_processor.release_kv_cache(req, self.tree, checkpoint=True)
+
+    def free_tokens(self) -> int:
+        return self.allocator.available_size()
+
+    def idle_leaks(self) -> list[str]:
+        """What the scheduler's idle self-check (``Scheduler.self_check_during_idle``) reports: nothing while its
+        hold list has entries (it skips the check then), else its token-pool and request-row leaks."""
+        if self.queue.has_pending_deferred_releases():
+            return []
+        leak, messages = self.checker._check_all_pools(self.observer.get_pool_stats())
+        rows_before = self.checker.count_req_pool_leak_warnings
+        self.checker._check_req_pool()
+        return (messages if leak else []) + (
+            ["request rows leaked"] if self.checker.count_req_pool_leak_warnings > rows_before else [])
+
+
+@contextlib.contextmanager
+def acks_on_their_way(mgr):
+    """The decode manager ``mgr``'s incoming ABORT_ACKs are held on their way (a slow network); yields
+    ``deliver()``, which hands the held ones to upstream as its listener would (so does leaving the block). Its
+    ``held`` lists them."""
+    original = mgr.note_abort_ack
+    held: list[tuple] = []
+
+    def deliver():
+        while held:
+            original(*held.pop(0))
+
+    deliver.held = held
+    mgr.note_abort_ack = lambda *args: held.append(args)
+    try:
+        yield deliver
+    finally:
+        del mgr.note_abort_ack
+        deliver()
 
 
 class AckListener:

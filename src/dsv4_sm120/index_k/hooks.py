@@ -6,8 +6,9 @@ to act; with any other model impl or with ``fp8`` they call upstream unchanged. 
 three request-failure hooks (admission, and the plain and PD prefill result) act
 only once an integrity-mode host mirror exists in the process; the fourth keeps the
 batch's load slot on the copy the overlap scheduler hands to result processing. Hook bodies
-import upstream lazily: registering costs nothing. The five PD integrity hooks
-(:mod:`.pd_integrity`) are registered only when ``DSV4_SM120_INDEX_K_CHECKSUM=1``.
+import upstream lazily: registering costs nothing. The PD integrity hooks (:mod:`.pd_integrity`: the
+send/receive check, the decode's late-write re-reads and its hold of a failed request's pages) are registered
+only when ``DSV4_SM120_INDEX_K_CHECKSUM=1``.
 """
 
 from __future__ import annotations

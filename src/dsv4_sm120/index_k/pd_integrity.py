@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dsv4_sm120.index_k import gate, layout, pd_late_writes
+from dsv4_sm120.index_k import gate, layout, pd_late_write_hold, pd_late_writes
 from dsv4_sm120.index_k.pd_rows import DST as _DST
 from dsv4_sm120.index_k.pd_rows import SWITCH, behind_current, page_rows, row_sums
 
@@ -462,13 +462,17 @@ HOOKS = (
     (SEND_METADATA, send_metadata),
     (POLL, poll),
     (pd_late_writes.RUN_BATCH, pd_late_writes.run_batch),
+    (pd_late_write_hold.RELEASE_KV, pd_late_write_hold.hand_over),
+    (pd_late_write_hold.DO_RELEASE, pd_late_write_hold.release_held),
 )
 
 
 def register_hooks() -> None:
-    """Register the PD hooks, the decode's late-write re-reads among them (the index_k area does so only when
-    the switch is on)."""
+    """Register the PD hooks, the decode's late-write re-reads and hold among them (the index_k area does so only
+    when the switch is on)."""
+    from dsv4_sm120 import metrics
     from dsv4_sm120.hooks import hook
 
     for target, fn in HOOKS:
         hook(target, fn)
+    metrics.add_sampler(pd_late_write_hold.sample_gauges)

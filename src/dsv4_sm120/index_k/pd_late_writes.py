@@ -18,7 +18,8 @@ nothing fails. With ``DSV4_SM120_INDEX_K_CHECKSUM=1`` the decode watches for it 
 * **Verdict**, at a later ``run_batch`` once the event has completed: a changed page is a late
   write. It is counted once per page and request (``sglang:dsv4_pd_late_writes_total``),
   logged with the room, request, page and buffer, and the request, when still running, is failed
-  with HTTP 500 naming them and the switch. The last forward's verdict lands after the answer went
+  with HTTP 500 naming them and the switch; its pages then stay out of the allocator until no write can
+  reach them (:mod:`.pd_late_write_hold`). The last forward's verdict lands after the answer went
   out: it is counted and logged, the log saying so. Verdicts are rank-local: with more than one attention
   TP rank they are counted and logged, and the request is left to run (a rank-local abort would
   split the ranks' batches).
@@ -55,6 +56,7 @@ class Record:
     pages: np.ndarray  # int64 [n] destination pages
     rows: list  # uint8 [pages, item] views of the watched buffers
     owner: int  # id of the decode manager whose buffers these are
+    prefill: str | None  # bootstrap address of the prefill the pages came from
     names: list[str]
     index: object  # int64 tensor [n] on the buffers' device
     baseline: object  # int64 tensor [buffers, n] on the device
@@ -128,7 +130,8 @@ def record(receiver, state) -> None:
             ready.record()
     else:
         baseline, ready = pd_rows.row_sums(rows, index), None
-    rec = Record(receiver.bootstrap_room, pages, rows, id(mgr), names, index, baseline, ready)
+    rec = Record(receiver.bootstrap_room, pages, rows, id(mgr), getattr(receiver, "bootstrap_addr", None), names,
+                 index, baseline, ready)
     if id(mgr) not in _described:
         _described.add(id(mgr))
         logger.info("PD late-write check on (%s=1): the full received pages of %d registered buffers are re-read "
@@ -207,8 +210,9 @@ def check(batch) -> None:
     count("pd_page_rereads_total", int(index.numel()) * len(rows))
 
 
-def collect(attn_tp_size: int = 1) -> None:
-    """Read the re-reads that landed: count, log and fail what changed."""
+def collect(attn_tp_size: int = 1, hold_list=None) -> None:
+    """Read the re-reads that landed: count, log and fail what changed; a failed request's pages go to
+    ``hold_list`` (the decode's ``DecodeTransferQueue``) when it finishes."""
     with _lock:
         ready, waiting = [], []
         for c in _pending:
@@ -220,13 +224,14 @@ def collect(attn_tp_size: int = 1) -> None:
             found = [(int(b), int(rec.pages[j])) for b, j in zip(*np.nonzero(changed[:, lo:hi]))]
             new = [(b, page) for b, page in found if (b, page) not in rec.bad]
             if new:
-                _late_write(rec, req, new, attn_tp_size)
+                _late_write(rec, req, new, attn_tp_size, hold_list)
     _forget_stale()
 
 
-def _late_write(rec: Record, req, found: list[tuple[int, int]], attn_tp_size: int) -> None:
+def _late_write(rec: Record, req, found: list[tuple[int, int]], attn_tp_size: int, hold_list) -> None:
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
+    from dsv4_sm120.index_k import pd_late_write_hold
     from dsv4_sm120.index_k.pd_rows import SWITCH
 
     pages = {page for _, page in found} - {page for _, page in rec.bad}  # a page counts once per request
@@ -245,6 +250,7 @@ def _late_write(rec: Record, req, found: list[tuple[int, int]], attn_tp_size: in
                f"{SWITCH}=1; retry it.")
     req.to_finish = FINISH_ABORT(message, HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
     count("pd_late_write_requests_failed_total", 1)
+    pd_late_write_hold.fail(req, rec.prefill, hold_list)
 
 
 def _forget_stale() -> None:
@@ -263,7 +269,8 @@ def run_batch(original, scheduler, batch, *args, **kwargs):
     then queue those due for this decode batch, before its forward."""
     if _records or _pending:
         if _pending:
-            collect(getattr(scheduler, "attn_tp_size", None) or _attn_tp_size())
+            collect(getattr(scheduler, "attn_tp_size", None) or _attn_tp_size(),
+                    getattr(scheduler, "disagg_decode_transfer_queue", None))
         if batch is not None and batch.forward_mode.is_decode():
             check(batch)
     return original(scheduler, batch, *args, **kwargs)

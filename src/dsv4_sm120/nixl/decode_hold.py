@@ -59,9 +59,13 @@ def _tokens(decode_req) -> int:
 
 def _prefill_lost_since(decode_req, since: float) -> bool:
     """Whether the heartbeat declared this request's prefill lost after ``since`` (its writes ended with it)."""
-    addr = getattr(decode_req.kv_receiver, "bootstrap_addr", None)
+    return lost_since(getattr(decode_req.kv_receiver, "bootstrap_addr", None), since)
+
+
+def lost_since(bootstrap_addr: str | None, since: float) -> bool:
+    """Whether the heartbeat declared the prefill at ``bootstrap_addr`` lost after ``since``."""
     with _lock:
-        lost = _lost_at.get(addr)
+        lost = _lost_at.get(bootstrap_addr)
     return lost is not None and lost >= since
 
 
