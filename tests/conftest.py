@@ -43,6 +43,14 @@ def pytest_collection_modifyitems(items):
     items.sort(key=order)
 
 
+@pytest.fixture
+def cuda_device():
+    """For the tests marked ``gpu`` that need the device itself: without one they fail rather than skip, since
+    selected with ``-m gpu`` a check that cannot run has not passed."""
+    if not torch.cuda.is_available():
+        pytest.fail("needs a CUDA device: run the -m gpu tests on the GPU host")
+
+
 @pytest.fixture(autouse=True)
 def _integrity_state_as_it_was():
     """Integrity mode's process-wide state (the process's ledger, and whether requests are failed for bad pages)

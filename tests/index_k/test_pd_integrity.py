@@ -231,7 +231,7 @@ def test_a_room_answers_transferring_until_its_received_sums_land_then_its_verdi
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.usefixtures("cuda_device")
 def test_cuda_sums_are_queued_behind_the_forward_and_read_once_landed():
     """The CUDA path on registered VRAM (no sglang needed): the sums run on the side stream after the current
     stream's work and after an early send's event, and are queued while that forward still runs, with no call
@@ -599,7 +599,7 @@ def test_a_late_write_hold_ends_at_once_when_the_heartbeat_loses_the_prefill(pd,
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.usefixtures("cuda_device")
 def test_cuda_late_write_rereads_queue_without_a_host_wait_and_find_a_changed_page():
     """The late-write check's CUDA path on registered VRAM: the baseline (side stream) and the re-reads (current
     stream, behind the baseline's event) are queued with no call that makes the host wait, even while the

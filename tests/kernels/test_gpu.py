@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_device")]
 
 PAGE, D, H = 64, 128, 64
 

@@ -49,7 +49,6 @@ TOPK = 512
 LIVE_TAIL = 16
 POISONS = {"nan": float("nan"), "+inf": float("inf")}
 CUDA_KINDS = ["sgl-kernel:v1", "sgl-kernel:v2", "flashinfer", "flashinfer:fused"]
-HAS_CUDA = torch.cuda.is_available()
 
 
 def _scored(bf16_paged_mqa_logits, device):
@@ -163,7 +162,7 @@ def on_the_pins_cuda_kernels(test):
     """Every CUDA backend x poison, on a CUDA host with the pin's kernels only (marker ``gpu``)."""
     for mark in (pytest.mark.parametrize("cuda_kind", CUDA_KINDS, indirect=True),
                  pytest.mark.parametrize("poison", POISONS),
-                 pytest.mark.skipif(not HAS_CUDA, reason="CUDA JIT kernels of the pin (sglang + CUDA host)"),
+                 pytest.mark.usefixtures("cuda_device"),
                  pytest.mark.gpu):
         test = mark(test)
     return test

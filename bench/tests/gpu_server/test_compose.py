@@ -8,7 +8,7 @@ from pathlib import Path
 from bench.gpu_server import compose
 
 RESULTS = Path(__file__).resolve().parents[2] / "results"
-SERVE = RESULTS / "gpu_serving" / "gpu_serving_h200_2026-12-02_serve.json"
+SERVE = RESULTS / "gpu_serving" / "gpu_serving_h200_2026-12-02_serve_7c781db.json"
 COST = RESULTS / "gpu_serving" / "gpu_serving_h200_2026-12-02_cost_warm_65d0812.json"
 EAGER = RESULTS / "kernels" / "indexer_h200_2026-12-02_eager_65d0812.json"
 
@@ -25,7 +25,6 @@ def test_compose_puts_a_to_f_side_by_side_with_their_sources_and_bars(tmp_path):
     assert record["d_eager_host"]["worst_host_added_us"] < 14 and record["d_eager_host"]["meets_bar"] is True
     # c: that run's decode of 8 and 64 rows came out of the old method (a negative step): the bar is not met
     assert record["c_cost"]["meets_decode_bar"] is False
-    # e: the serve run's package servers were 2.8x at worst (1 x 16384 with graphs); upstream's are not judged
-    assert record["e_first_over_steady"]["worst_package"] == max(
-        v for name, shapes in record["e_first_over_steady"]["serve"].items() if name.startswith("dsv4")
-        for v in shapes.values()) and record["e_first_over_steady"]["meets_bar"] is False
+    # e: with the shape warmup every package server's first request of a shape is within 1.34x of its steady state
+    e = record["e_first_over_steady"]
+    assert e["worst_package"] == 1.34 and e["meets_bar"] is True

@@ -7,7 +7,9 @@ from the repository root, in the unpacked bundle's environment::
 
     source /tmp/dsv4-bundle/root/env.sh && python -m pytest -m gpu bench/tests/gpu_server -p no:cacheprovider
 
-``DSV4_GPU_SERVING_JSON`` names where the run's JSON goes (default: a temporary directory).
+``DSV4_GPU_SERVING_JSON`` names where the run's JSON goes (default: a temporary directory);
+``DSV4_GPU_SERVING_RECORD`` names a committed record to assert on instead, on any machine. Without either a
+CUDA device or a record the tests fail: a GPU bar that cannot be checked is not passed.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def served() -> dict:
+    given = os.environ.get("DSV4_GPU_SERVING_RECORD")
+    if given:
+        return json.loads(Path(given).read_text())
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    pytest.importorskip("sglang")
+        pytest.fail("needs a CUDA device with the pin's stack, or DSV4_GPU_SERVING_RECORD naming a run's record")
     from bench.gpu_server import run
 
     out = Path(os.environ.get("DSV4_GPU_SERVING_JSON") or Path(tempfile.mkdtemp()) / "gpu_serving.json")
@@ -53,7 +57,9 @@ def test_b_top512_overlap_of_bf16_and_fp8_keys_is_reported(served):
     overlap = served["results"]["b_topk_overlap_bf16_vs_fp8"]
     for ctx, figures in overlap.items():
         assert figures.get("rows", 0) > 0, (ctx, figures)
-        assert 0.0 < figures["mean"] <= 1.0
+        # below 1: the two key formats select differently, so the bf16 keys are in use; at least 0.95: the bf16
+        # path selects what the fp8 path does up to fp8's rounding (0.978-0.991 on an H200), not another KV
+        assert 0.95 <= figures["mean"] < 1.0, (ctx, figures)
 
 
 def test_f_each_package_server_logs_what_it_built_once(served):
