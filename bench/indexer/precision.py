@@ -65,9 +65,9 @@ from pathlib import Path
 import scipy.signal
 import torch
 
-from bench import run_record
 from bench.indexer.cases import D, H, TOPK
 from dsv4_sm120.kernels._common import hadamard_matrix
+from harness import run_record
 
 F64 = torch.float64
 FP8_MAX = 448.0  # e4m3fn; upstream's kFP8E4M3Max
