@@ -57,10 +57,9 @@ TUNE_DECODE_SHAPES = ((1, 4096, CAPTURE_WIDTH), (1, 32768, CAPTURE_WIDTH), (1, 1
                       (8, 4096, CAPTURE_WIDTH), (8, 32768, CAPTURE_WIDTH), (8, 131072, CAPTURE_WIDTH),
                       (64, 4096, CAPTURE_WIDTH), (64, 32768, CAPTURE_WIDTH), (256, 4096, CAPTURE_WIDTH),
                       (256, 32768, CAPTURE_WIDTH), (1, 32768, 32768), (8, 4096, 4096), (256, 4096, 4096))
-_TD = dict(programs=None, min_tiles=1, tile_pages=1, num_stages=8, num_warps=4, early_q=False, page_hint=True,
-           strided=True, qloop_tiles=0, qloop_stages=3)
-TUNE_DECODE = ([dict(_TD)] + [dict(_TD, qloop_tiles=qt, qloop_stages=qs) for qt, qs in ((1, 2), (2, 2), (2, 3), (4, 3), (8, 3))]
-               + [dict(_TD, num_stages=6, qloop_tiles=2, qloop_stages=3)])
+_TD = dict(programs=None, min_tiles=1, tile_pages=1, num_stages=8, num_warps=4)
+TUNE_DECODE = ([dict(_TD)] + [dict(_TD, num_stages=ns) for ns in (4, 6)] + [dict(_TD, min_tiles=mt) for mt in (2, 4)]
+               + [dict(_TD, tile_pages=2)])
 TUNE_PREFILL = ([dict(rows_per_program=1, num_warps=4, num_stages=3),
                  dict(rows_per_program=4, num_warps=4, num_stages=3, inline_store=True)]
                 + [dict(rows_per_program=r, num_warps=4, num_stages=ns) for r in (2, 4) for ns in (2, 3, 4)])

@@ -203,7 +203,7 @@ MANIFEST: tuple[Touch, ...] = (
         "sglang.srt.disaggregation.nixl.conn.NixlKVManager._handle_abort_notification",
         "calls",
         "nixl",
-        "The hardened loop hands ABORT frames to upstream's handler (PR #30352).",
+        "The hardened loop hands ABORT frames to upstream's own abort handler.",
     ),
     Touch(
         "sglang.srt.disaggregation.nixl.conn.NixlKVManager._add_remote_peer",

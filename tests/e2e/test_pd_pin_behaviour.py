@@ -3,8 +3,8 @@
 One PD set with the switch off serves both scenarios, in this order (the
 second wedges it for good, so it is stopped right after):
 
-* (a) the 80-session abort storm x 3: the pin handles ABORT frames since
-  upstream #30352, so a plain storm is expected to recover; whether the pin
+* (a) the 80-session abort storm x 3: the pin handles ABORT frames itself,
+  so a plain storm is expected to recover; whether the pin
   leaves rooms behind is not visible from outside (its tables have no gauge);
 * (b) one foreign frame at the bootstrap socket: the thread dies, every later
   request stalls, and /health stays 200 on all three processes.

@@ -325,13 +325,10 @@ def test_logits_prefill_path_is_the_default_from_prefill_rows(kern, monkeypatch)
     assert calls == [((4, 1), kern.mqa_logits.ROWS_PER_PROGRAM)]
 
 
-@pytest.mark.parametrize("early_q,page_hint,strided,splits,min_tiles",
-                         [(True, False, False, 4, 1), (False, True, False, 4, 1), (False, False, False, 4, 1),
-                          (False, True, True, 4, 1), (False, True, True, 3, 2), (False, True, True, 40, 1)])
-def test_logits_decode_load_order_variants_agree(kern, early_q, page_hint, strided, splits, min_tiles):
+@pytest.mark.parametrize("splits,min_tiles", [(4, 1), (3, 2), (40, 1)])
+def test_logits_decode_split_counts_agree(kern, splits, min_tiles):
     q, w, pages, sl, pt = logits_case(LENS, 16, _gen(14))
-    out, ref = _logits_both(kern, q, w, pages, sl, pt, 704, early_q=early_q, page_hint=page_hint, strided=strided,
-                            splits=splits, min_tiles=min_tiles)
+    out, ref = _logits_both(kern, q, w, pages, sl, pt, 704, splits=splits, min_tiles=min_tiles)
     check_logits(out, ref, LENS)
 
 

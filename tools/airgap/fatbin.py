@@ -13,7 +13,7 @@ still reads every header, and what it picks for a target GPU is byte for byte th
 outside the targets that picks a blanked entry fails to load the kernel; the manifest and bundle.json
 record the targets so that nobody runs a bundle on the wrong GPU.
 
-Checked on an H200 (2026-12-02, bundle 3ad24477a9c4): with torch's, NCCL's and sgl_kernel's fat
+Checked on a Hopper GPU host: with torch's, NCCL's and sgl_kernel's fat
 binaries blanked to sm_90, torch 2.14.1 ran matmuls (bf16, fp32), softmax, layer norm, top-k, sort,
 scatter, FFT, linalg.solve, fp8 casts, flash SDPA and a one-rank NCCL all-reduce, and sgl_kernel's
 rmsnorm matched a torch reference. The packed torch shrinks from 304 MB of xz to 64 MB.

@@ -62,10 +62,7 @@ def _logits_spec(rows_per_program: int = 1, inline_store: bool = True) -> Kernel
     cfg = mqa_logits.PREFILL_CONFIG if rows_per_program > 1 else mqa_logits.DECODE_CONFIG
     name = "mqa_logits[prefill]" if rows_per_program > 1 else "mqa_logits" if inline_store else "mqa_logits[few-rows]"
     return KernelSpec(name, mqa_logits._logits_kernel, sig,
-                      {"H": 64, "D": HEAD_DIM, "PAGE": PAGE_SLOTS, "R": rows_per_program, "TP": 1, "EARLY_Q": mqa_logits.EARLY_Q,
-                       "PAGE_HINT": mqa_logits.PAGE_HINT,
-                       "STRIDED": mqa_logits.STRIDED,
-                       "QLOOP_TILES": mqa_logits.QLOOP_TILES, "QLOOP_STAGES": mqa_logits.QLOOP_STAGES, "FP32_DOT": False,
+                      {"H": 64, "D": HEAD_DIM, "PAGE": PAGE_SLOTS, "R": rows_per_program, "TP": 1, "FP32_DOT": False,
                        "INLINE_STORE": rows_per_program == 1 and inline_store},
                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 

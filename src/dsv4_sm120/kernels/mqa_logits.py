@@ -58,16 +58,11 @@ PREFILL_ROWS = 1024  # from this many query rows on, a program scores ROWS_PER_P
 ROWS_PER_PROGRAM = 4
 DECODE_CONFIG = dict(num_warps=4, num_stages=8)  # 8 stages: 4 key pages in flight per program, 2 programs an SM
 PREFILL_CONFIG = dict(num_warps=4, num_stages=3)
-# Decode latency, Hopper tunes (tiny batches, 512 pages: 5-6 us kernels): the strided
-# split (program p of a row takes tiles p, p + P, ...), whose first page id does not depend on the row's
-# length and is loaded together with the length and the queries, beat the contiguous split with the same
-# page-id hint by 3-15%, and that beat loading the queries before the length (EARLY_Q) by 5-8%.
-STRIDED = True
-PAGE_HINT = True  # contiguous split only: load the first page id before waiting on the queries
-EARLY_Q = False  # contiguous split only
-QLOOP_TILES = 0  # strided split: programs of at most this many tiles load the queries inside the pipeline
-# (faster only where a program has one tile, 1 x 4k; slower for long programs, so off)
-QLOOP_STAGES = 3
+# Decode latency, Hopper tunes (tiny batches, 512 pages: 5-6 us kernels): the strided split (program p of a row
+# takes tiles p, p + P, ...), whose first page id does not depend on the row's length and is loaded together with
+# the length and the queries, beat a contiguous split by 3-15%. Loading the queries inside the tile pipeline was
+# faster only where a program has one tile (1 x 4k) and slower elsewhere. The tune record keeps the variants'
+# figures; the kernel keeps the winner only.
 # Inline logits stores (see _store_logits) from this many rows on. Under Triton 3.8 on a Hopper GPU they make
 # target-verify (16 and 128 rows) 3-9% faster but decode of 1 and 8 rows 1-5% slower (1 x 4k: 3.42 against
 # 3.59 us with tl.store); from 64 rows on they are within 1%.
@@ -239,34 +234,13 @@ def _score_row(q_t, w, kv_ptr, pt_row, out_row, ref_pt, seq, t0, t1,
         for i in tl.static_range(TP):
             p = t * TP + i
             n = p * PAGE + offs
-            live = (n < seq) & (first_page >= 0)  # first_page: a hint load, always >= 0 (see PAGE_HINT)
+            live = (n < seq) & (first_page >= 0)  # first_page: the early load of the first page id, always >= 0
             page = tl.load(pt_row + p, mask=p < live_pages, other=0).to(tl.int64)
             k = tl.load(kv_ptr + page * (PAGE * D) + in_page, mask=live[:, None], other=0.0)  # [PAGE, D]
             s = tl.sum(_tile_scores(k, q_t, w, FP32_DOT), axis=1)
             if ONLY_OTHER_PAGES:
                 live = live & (page != tl.load(ref_pt + p).to(tl.int64))
             _store_logits(out_row + n, s, live, INLINE_STORE)
-
-
-@triton.jit
-def _score_row_qloop(q_row, w, kv_ptr, pt_row, out_row, seq, t0, t1, step, stride_q_head,
-                     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
-                     FP32_DOT: tl.constexpr, INLINE_STORE: tl.constexpr):
-    """As _score_row (one page a tile, all pages stored) for programs of a few tiles: the queries are
-    loaded inside the loop, so the pipeline fetches them asynchronously beside the first key page
-    instead of waiting for them before it starts (they come from L2 after the first tile)."""
-    heads = tl.arange(0, H)
-    dims = tl.arange(0, D)
-    offs = tl.arange(0, PAGE)
-    in_page = offs[:, None] * D + dims[None, :]
-    for t in tl.range(t0, t1, step, num_stages=STAGES):
-        n = t * PAGE + offs
-        live = n < seq
-        page = tl.load(pt_row + t).to(tl.int64)
-        k = tl.load(kv_ptr + page * (PAGE * D) + in_page, mask=live[:, None], other=0.0)
-        q_t = tl.load(q_row + heads[None, :] * stride_q_head + dims[:, None])
-        s = tl.sum(_tile_scores(k, q_t, w, FP32_DOT), axis=1)
-        _store_logits(out_row + n, s, live, INLINE_STORE)
 
 
 # Request-dependent arguments are not specialized: Triton would compile a kernel for each of their values that
@@ -283,10 +257,9 @@ def _logits_kernel(
     stride_q_row, stride_q_head, stride_w_row, stride_pt_row, stride_out_row,
     n_rows, max_seq_len, splits, min_tiles, pt_cols,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, R: tl.constexpr, TP: tl.constexpr,
-    EARLY_Q: tl.constexpr, PAGE_HINT: tl.constexpr, STRIDED: tl.constexpr, QLOOP_TILES: tl.constexpr,
-    QLOOP_STAGES: tl.constexpr, FP32_DOT: tl.constexpr, INLINE_STORE: tl.constexpr,
+    FP32_DOT: tl.constexpr, INLINE_STORE: tl.constexpr,
 ):
-    if R == 1 and STRIDED:  # decode: program (row, split) scores tiles split, split + P, ... of the row
+    if R == 1:  # decode: program (row, split) scores tiles split, split + P, ... of the row
         row = tl.program_id(0)
         split = tl.program_id(1)
         row64 = row.to(tl.int64)
@@ -294,45 +267,13 @@ def _logits_kernel(
         # the first tile's page id and the queries do not depend on the row's length: all three loads
         # are in flight at once, and the pipeline's own load of the page id then finds it on chip
         first_page = tl.load(pt_row + split * TP, mask=split * TP < pt_cols, other=0)
-        if QLOOP_TILES == 0:
-            q_t, w = _load_row_q(q_ptr + row64 * stride_q_row, w_ptr + row64 * stride_w_row, stride_q_head, H, D)
-        else:
-            w = tl.load(w_ptr + row64 * stride_w_row + tl.arange(0, H)).to(tl.float32)
+        q_t, w = _load_row_q(q_ptr + row64 * stride_q_row, w_ptr + row64 * stride_w_row, stride_q_head, H, D)
         seq = tl.minimum(tl.load(seq_ptr + row), max_seq_len)
         n_tiles = tl.cdiv(tl.cdiv(seq, PAGE), TP)
         active = tl.minimum(splits, tl.cdiv(n_tiles, min_tiles))  # programs that share this row's tiles
         if (split < active) & (first_page >= 0):  # (page ids are >= 0: the test keeps the load ahead of the branch)
-            if QLOOP_TILES == 0:
-                _score_row(q_t, w, kv_ptr, pt_row, out_ptr + row64 * stride_out_row, pt_row, seq, split, n_tiles,
-                           D, PAGE, TP, False, FP32_DOT, first_page, active, INLINE_STORE)
-            elif tl.cdiv(n_tiles - split, active) <= QLOOP_TILES:  # a short program: queries in the pipeline
-                _score_row_qloop(q_ptr + row64 * stride_q_row, w, kv_ptr, pt_row, out_ptr + row64 * stride_out_row,
-                                 seq, split, n_tiles, active, stride_q_head, H, D, PAGE, QLOOP_STAGES, FP32_DOT,
-                                 INLINE_STORE)
-            else:
-                q_t, w2 = _load_row_q(q_ptr + row64 * stride_q_row, w_ptr + row64 * stride_w_row, stride_q_head, H, D)
-                _score_row(q_t, w2, kv_ptr, pt_row, out_ptr + row64 * stride_out_row, pt_row, seq, split, n_tiles,
-                           D, PAGE, TP, False, FP32_DOT, first_page, active, INLINE_STORE)
-    elif R == 1:  # decode: program (row, split) scores a contiguous share of the row's live tiles
-        row = tl.program_id(0)
-        split = tl.program_id(1)
-        row64 = row.to(tl.int64)
-        if EARLY_Q:  # issue the query load before the length's: their latencies overlap
-            q_t, w = _load_row_q(q_ptr + row64 * stride_q_row, w_ptr + row64 * stride_w_row, stride_q_head, H, D)
-        seq = tl.minimum(tl.load(seq_ptr + row), max_seq_len)
-        n_tiles = tl.cdiv(tl.cdiv(seq, PAGE), TP)
-        tiles = tl.maximum(tl.cdiv(n_tiles, splits), min_tiles)
-        t0 = split * tiles
-        t1 = tl.minimum(t0 + tiles, n_tiles)
-        if t0 < t1:
-            pt_row = pt_ptr + row64 * stride_pt_row
-            first_page = 0
-            if PAGE_HINT:  # a plain load of the first page id ahead of the queries' wait: the pipeline's own
-                first_page = tl.load(pt_row + t0 * TP)  # load of it then finds the line on chip
-            if not EARLY_Q:
-                q_t, w = _load_row_q(q_ptr + row64 * stride_q_row, w_ptr + row64 * stride_w_row, stride_q_head, H, D)
-            _score_row(q_t, w, kv_ptr, pt_row, out_ptr + row64 * stride_out_row, pt_row, seq, t0, t1,
-                       D, PAGE, TP, False, FP32_DOT, first_page, 1, INLINE_STORE)
+            _score_row(q_t, w, kv_ptr, pt_row, out_ptr + row64 * stride_out_row, pt_row, seq, split, n_tiles,
+                       D, PAGE, TP, False, FP32_DOT, first_page, active, INLINE_STORE)
     else:  # prefill: R consecutive rows per program; a key page they share is loaded once for all R
         group = tl.num_programs(0) - 1 - tl.program_id(0)  # last rows first: in causal prefill the longest
         r0 = group * R
@@ -418,11 +359,6 @@ def bf16_paged_mqa_logits(
     min_tiles: int = MIN_TILES_PER_PROGRAM,
     rows_per_program: int | None = None,
     tile_pages: int = 1,
-    early_q: bool = EARLY_Q,
-    page_hint: bool = PAGE_HINT,
-    strided: bool = STRIDED,
-    qloop_tiles: int = QLOOP_TILES,
-    qloop_stages: int = QLOOP_STAGES,
     num_warps: int | None = None,
     num_stages: int | None = None,
     inline_store: bool | None = None,
@@ -443,8 +379,7 @@ def bf16_paged_mqa_logits(
     Everything but the tensors' addresses follows from the arguments' layout, so it is worked out once per
     layout (:func:`_logits_plan`); a call of a known layout allocates the output and launches.
     """
-    options = (splits, min_tiles, rows_per_program, tile_pages, early_q, page_hint, strided, qloop_tiles,
-               qloop_stages, num_warps, num_stages, inline_store)
+    options = (splits, min_tiles, rows_per_program, tile_pages, num_warps, num_stages, inline_store)
     plan = _plan(q, pages, weights, seq_lens, page_table, max_seq_len, out, options)
     if plan.copies:
         q, weights, seq_lens, page_table = _normalize(q, weights, seq_lens, page_table)
@@ -516,8 +451,7 @@ class _Plan(NamedTuple):
 
 
 def _logits_plan(q, pages, weights, seq_lens, page_table, max_seq_len, out, splits, min_tiles, rows_per_program,
-                 tile_pages, early_q, page_hint, strided, qloop_tiles, qloop_stages, num_warps, num_stages,
-                 inline_store) -> _Plan:
+                 tile_pages, num_warps, num_stages, inline_store) -> _Plan:
     """Checks, split count, grid and launch of bf16_paged_mqa_logits for one layout of its arguments: the
     per-call work of a call whose layout was seen before is reading six addresses."""
     check_pages(pages)
@@ -552,9 +486,7 @@ def _logits_plan(q, pages, weights, seq_lens, page_table, max_seq_len, out, spli
              stride_pt_row=page_table.stride(0), stride_out_row=max_seq_len if out is None else out.stride(0),
              n_rows=rows, max_seq_len=max_seq_len, splits=int(splits), min_tiles=int(min_tiles),
              pt_cols=page_table.shape[1]),
-        dict(H=q.shape[1], D=HEAD_DIM, PAGE=PAGE_SLOTS, R=r, TP=int(tile_pages), EARLY_Q=bool(early_q),
-             PAGE_HINT=bool(page_hint), STRIDED=bool(strided),
-             QLOOP_TILES=int(qloop_tiles) if tile_pages == 1 else 0, QLOOP_STAGES=int(qloop_stages), FP32_DOT=interp,
+        dict(H=q.shape[1], D=HEAD_DIM, PAGE=PAGE_SLOTS, R=r, TP=int(tile_pages), FP32_DOT=interp,
              INLINE_STORE=(r == 1 and rows >= INLINE_STORE_MIN_ROWS and not interp) if inline_store is None
              else bool(inline_store)),
         num_warps=num_warps, num_stages=num_stages))

@@ -1,6 +1,6 @@
 """Rooms the decode side aborted, remembered for a while so they stay dead.
 
-Upstream (sglang 0.5.23, PR #30352) handles an ABORT only for a room the prefill
+Upstream (sglang 0.5.23) handles an ABORT only for a room the prefill
 already knows; an ABORT that arrives first is forgotten, and a transfer-info
 frame that lands afterwards (another decode TP rank, a retry) creates the room
 again: it then sits in ``transfer_infos``/``request_status`` with nobody to
