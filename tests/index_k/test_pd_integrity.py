@@ -2,7 +2,7 @@
 
 One loopback pair for the module: the pin's real NixlKVManager / Sender /
 Receiver and bootstrap server, real NIXL agents over UCX DRAM-to-DRAM on
-127.0.0.1 (dsv4_sm120.instruments.nixl_loopback), with two extra registered buffers shaped
+127.0.0.1 (dsv4_sm120.loopback.pair), with two extra registered buffers shaped
 like bf16 index-K page rows (16384 B) and both sides' PD layout tagged
 ``index_k:bf16``, as a bf16 DSV4 pool registers them. Only the model is absent:
 the pages hold random bytes. The checksum runs on CPU tensors (the kernel's torch
@@ -38,7 +38,7 @@ KV_LAYERS = 2  # the loopback's plain KV buffers come first, as the DSV4 pool re
 def pd():
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from dsv4_sm120.instruments.nixl_loopback import LoopbackPD
+    from dsv4_sm120.loopback.pair import LoopbackPD
 
     on = os.environ.get(pd_integrity.SWITCH, "1") == "1"
     if on and pd_integrity.POLL not in HookRegistry._hooks:

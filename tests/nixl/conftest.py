@@ -1,7 +1,7 @@
 """Loopback PD pairs shared by the nixl tests: one sglang import per process, few NIXL agents.
 
 Every pair is the pin's real NIXL classes over UCX on 127.0.0.1 with DRAM CPU
-tensors as KV pages (see dsv4_sm120.instruments.nixl_loopback); only the model is absent.
+tensors as KV pages (see dsv4_sm120.loopback.pair); only the model is absent.
 ``pd`` follows DSV4_SM120_NIXL_HARDENING, so running the suite with
 ``DSV4_SM120_NIXL_HARDENING=0`` runs the same tests against the pin's bootstrap
 thread: those tests fail, which is the point.
@@ -13,7 +13,7 @@ import pytest
 
 
 def _build(hardened: bool, seed: int):
-    from dsv4_sm120.instruments.nixl_loopback import LoopbackPD
+    from dsv4_sm120.loopback.pair import LoopbackPD
 
     return LoopbackPD(hardened=hardened, seed=seed)
 

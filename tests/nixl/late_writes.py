@@ -1,6 +1,6 @@
 """CPU stand-ins for the PD abort-safety tests: a slow prefill send, the decode's hold list, and an ACK listener.
 
-Everything NIXL-side is the pin's real code over the loopback pair (:mod:`dsv4_sm120.instruments.nixl_loopback`).
+Everything NIXL-side is the pin's real code over the loopback pair (:mod:`dsv4_sm120.loopback.pair`).
 What cannot run on a CPU without a scheduler is played here, and only that:
 
 - :func:`slow_send`: the prefill's transfer worker posts a room's KV write ``delay_s`` late (a busy or
@@ -61,7 +61,7 @@ def one_rank_gloo_group():
     """A real gloo process group of this process alone (upstream's TP CPU group at TP=1)."""
     import torch.distributed as dist
 
-    from dsv4_sm120.instruments.nixl_loopback import free_port
+    from dsv4_sm120.loopback.pair import free_port
 
     with _gloo:
         if not dist.is_initialized():
@@ -233,7 +233,7 @@ class AckListener:
     def __init__(self):
         import zmq
 
-        from dsv4_sm120.instruments.nixl_loopback import free_port
+        from dsv4_sm120.loopback.pair import free_port
 
         self.port = free_port()
         self._sock = zmq.Context.instance().socket(zmq.PULL)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from dsv4_sm120.instruments.nixl_loopback import FOREIGN_FRAME
+from dsv4_sm120.loopback.pair import FOREIGN_FRAME
 from tests.polling import wait_until
 
 KV_SUCCESS = 4  # KVPoll.Success

@@ -38,7 +38,7 @@ class _Manager:  # what liveness reads of a NixlKVManager: kv_args.engine_rank, 
 def busy_scheduler():
     from sglang.srt.managers.scheduler import Scheduler
 
-    from dsv4_sm120.instruments.nixl_loopback import install_hooks
+    from dsv4_sm120.loopback.pair import install_hooks
 
     install_hooks()
     sched = object.__new__(Scheduler)

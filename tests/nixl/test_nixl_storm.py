@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4_sm120.instruments.loopback_storm import run_storm
+from dsv4_sm120.loopback.abort_storm import run_storm
 
 
 def _assert_storm_clean(summary, rounds, fresh):

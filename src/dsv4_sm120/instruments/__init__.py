@@ -1,5 +1,4 @@
-"""The instruments: those a user points at a live OpenAI-compatible endpoint (``--base-url``, ``--model``),
-and the abort storm over an in-process NIXL pair for a machine without a cluster.
+"""The instruments a user points at a live OpenAI-compatible endpoint (``--base-url``, ``--model``).
 
 Why they exist: every performance fix is judged at low and high concurrency, and the
 two production incidents this package fixes were found with agent workloads — killing
@@ -21,8 +20,5 @@ instruments against their own deployment, before and after switching each fix on
 None of these import sglang (the serving wrapper runs it in a child process), so
 they start fast and run from any machine that can reach the endpoint.
 
-With no cluster at hand, :mod:`.loopback_storm` (``dsv4-sm120 abort-storm``) storms a prefill/decode pair
-of the pin's real NIXL classes in one process (:mod:`.nixl_loopback`), with the package's hardening or, with
-``--baseline``, the pin's bootstrap thread; it imports sglang and NIXL. Neither is runtime code: the fixes
-themselves live in ``nixl/``.
+The abort storm over an in-process NIXL pair, for a machine without a cluster, is :mod:`dsv4_sm120.loopback`.
 """

@@ -1,7 +1,7 @@
 """``dsv4-sm120 abort-storm``: the production wedge, reproduced on any machine, and its cure measured.
 
 Each round opens ``--sessions`` requests over the loopback PD pair
-(:mod:`dsv4_sm120.instruments.nixl_loopback`, real NIXL on 127.0.0.1) and has the decode
+(:mod:`dsv4_sm120.loopback.pair`, real NIXL on 127.0.0.1) and has the decode
 abort every one of them at a random point: before it publishes its pages, once
 the prefill saw the room bootstrapped, right after the prefill queued the
 transfer, or before the prefill ever heard of the room (whose transfer-info
@@ -56,7 +56,7 @@ def storm_round(h, index: int, *, sessions: int, fresh: int, foreign: int, wait_
     """One storm on harness ``h``, then the fresh requests that must get through."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    from dsv4_sm120.instruments.nixl_loopback import FOREIGN_FRAME
+    from dsv4_sm120.loopback.pair import FOREIGN_FRAME
 
     storm, late = [], []
     for i in range(sessions):
@@ -114,7 +114,7 @@ def run_storm(*, sessions: int = 80, rounds: int = 3, fresh: int = 8, foreign: i
     """Run ``rounds`` storms and summarise them; ``harness`` reuses a built :class:`LoopbackPD`."""
     import numpy as np
 
-    from dsv4_sm120.instruments.nixl_loopback import LoopbackPD
+    from dsv4_sm120.loopback.pair import LoopbackPD
 
     # A wedged round abandons its requests' decode pages (never reused): size the pool for every round.
     pages = max(8192, (sessions + fresh) * PAGES_PER_SESSION * (rounds + 1))
