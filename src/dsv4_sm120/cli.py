@@ -15,7 +15,7 @@ import sys
 # name -> (module exposing add_arguments(parser) and run(args) -> int, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("dsv4_sm120.cli", "say in one screen whether this install will work"),
-    "abort-storm": ("dsv4_sm120.instruments.loopback_storm", "abort storms over a real NIXL loopback PD pair: zero wedges, zero leaks"),
+    "abort-storm": ("dsv4_sm120.loopback.abort_storm", "abort storms over a real NIXL loopback PD pair: zero wedges, zero leaks"),
     "patch": ("dsv4_sm120.patching", "apply | check | revert the collective-guard diffs on the installed sglang"),
     "bench-serving": ("dsv4_sm120.instruments.serving", "live server: upstream serving bench at C=1 and C=64, JSON kept with flags and switches"),
     "storm-client": ("dsv4_sm120.instruments.storm_client", "live server: cancel N streaming sessions at once, time until a fresh request completes"),
