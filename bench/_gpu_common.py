@@ -6,9 +6,6 @@ The benches import ``dsv4_sm120`` as Python finds it: the installed package, or 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 import triton
 import triton.language as tl
@@ -117,9 +114,3 @@ def run_meta() -> dict:
         "triton": triton.__version__,
         "date": run_record.now_utc(),
     }
-
-
-def write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    print(f"wrote {path}")

@@ -408,9 +408,7 @@ def write(path: Path | None, out: dict, started: float, load_start) -> None:
     out["summary"] = summary(out)
     out["seconds"] = round(time.monotonic() - started, 1)
     out["load_average_at_start"], out["load_average_at_end"] = load_start, os.getloadavg()
-    if path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    run_record.write(path, out)
 
 
 def summary(out: dict) -> dict:

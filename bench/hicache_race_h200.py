@@ -41,6 +41,7 @@ from bench import _gpu_common as g
 from dsv4_sm120.kernels.mqa_logits import bf16_paged_mqa_logits
 from dsv4_sm120.kernels.page_checksum import page_checksum, page_checksum_ref
 from dsv4_sm120.kernels.page_copy import copy_pages
+from harness import run_record
 
 SLOTS, D = 64, 128
 PAGE_BYTES = SLOTS * D * 2
@@ -295,7 +296,7 @@ def main():
     }
     date = datetime.date.today().isoformat()
     path = Path(os.environ.get("OUT_JSON", g.REPO / "bench" / "results" / "hicache" / f"hicache_race_h200_{date}.json"))
-    g.write_json(path, result)
+    run_record.write(path, result)
     print("SUMMARY page_ops %d mism(fence) %d mism(no fence) %d caught %d/%d copy h2d %.2f d2h %.2f cs_overhead %.4f"
           % (ops_fence, bad_fence, bad_nofence, integ["caught"], integ["planted"], bw["copy_fraction_h2d"],
              bw["copy_fraction_d2h"], bw["checksum_overhead"]))

@@ -47,9 +47,10 @@ def now_utc() -> str:
 
 
 def write(path: Path | None, record: dict) -> None:
-    """``record`` as indented JSON at ``path`` (its folder made), and a line saying so; nothing without a path."""
+    """``record`` as indented JSON at ``path`` (its folder made; a value JSON lacks is written as its str), and a
+    line saying so; nothing without a path."""
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(f"wrote {path}")

@@ -17,6 +17,8 @@ import datetime
 import json
 from pathlib import Path
 
+from harness import run_record
+
 BARS = {"c_decode_vs_tilelang": 1.03, "c_prefill_vs_tilelang": 1.05, "d_host_added_us": 20.0, "e_first_over_steady": 2.0}
 PACKAGE_SERVERS = ("dsv4",)  # server names of the package start so; upstream's start "sglang"
 
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     record = compose(args.serve, args.cost, args.eager)
-    args.out.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    run_record.write(args.out, record)
     print(json.dumps({k: {m: v for m, v in record[k].items() if m.startswith("meets")}
                       for k in ("c_cost", "d_eager_host", "e_first_over_steady")}))
     return 0

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             s.proc.stop()
         record["wall_s"] = round(time.monotonic() - t0, 1)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=1, default=str) + "\n")
+        run_record.write(args.out, record)
         _keep_logs(log_dir, args.out.parent)
     print(json.dumps({k: record[k] for k in ("date", "device", "set", "wall_s") if k in record}))
     if "error" in record:

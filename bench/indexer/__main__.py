@@ -41,6 +41,7 @@ from bench.indexer.cases import D, DRY_SIZES, PAGE, SIZES
 from bench.indexer.paired import row_text
 from bench.indexer.peers import (DeepGemmPagedPeer, DeepGemmRaggedPeer, Fp8Peer, deepgemm_info, fp8_pool,
                                  load_deepgemm, load_tilelang, warm_deepgemm, warm_deepgemm_one)
+from harness import run_record
 
 
 def main():
@@ -81,7 +82,7 @@ def main():
                   "eager_layer": eager.repeated_layer_section(pool, gen, args.eager_repeats)}
         eager.print_verdict(result)
         date = datetime.date.today().isoformat()
-        g.write_json(Path(os.environ.get("OUT_JSON", "/tmp/indexer_eager_dry.json" if args.dry_cpu else
+        run_record.write(Path(os.environ.get("OUT_JSON", "/tmp/indexer_eager_dry.json" if args.dry_cpu else
                                          g.REPO / "bench" / "results" / f"indexer_h200_eager_{date}.json")), result)
         return
     ceil = {**g.hbm_ceilings(), **g.gemm_ceiling(), **g.fp8_gemm_ceiling()}
@@ -108,7 +109,7 @@ def main():
         result["tune"] = tune.tune_section(peer, pool, gen, prefill=not args.tune_decode_only,
                                            decode=not args.tune_prefill_only)
         path = Path(os.environ.get("OUT_JSON", "/tmp/indexer_tune_dry.json"))
-        g.write_json(path, result)
+        run_record.write(path, result)
         return
     date = datetime.date.today().isoformat()
     default = g.REPO / "bench" / "results" / "kernels" / f"indexer_h200_{date}.json"
@@ -119,17 +120,17 @@ def main():
     print("store/query", result["store_query"], flush=True)
     # the JSON is rewritten after each timed section, so a run cut short keeps what it finished
     result["decode"] = decode.decode_section(paged_peers, pool, gen, ceil["hbm_read_gbps"])
-    g.write_json(path, result)
+    run_record.write(path, result)
     result["eager_host_breakdown"] = breakdown.host_breakdown(pool, gen)
     result["eager"] = eager.eager_section(pool, gen)
     eager.print_verdict(result)
-    g.write_json(path, result)
+    run_record.write(path, result)
     result["target_verify"] = decode.verify_section(paged_peers, pool, gen)
-    g.write_json(path, result)
+    run_record.write(path, result)
     result["prefill"] = prefill.prefill_section(prefill_peers, pool, gen, ceil["gemm_bf16_tflops"])
     if not args.no_sweep:
         result["sweep"] = tune.sweep_section(pool, gen)
-    g.write_json(path, result)
+    run_record.write(path, result)
     print("\nTABLE")
     for r in result["decode"] + result["target_verify"] + result["prefill"]:
         print(row_text(r))
