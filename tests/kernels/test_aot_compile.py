@@ -37,7 +37,8 @@ print("RESULT" + json.dumps(out))
 
 # The default suite compiles one launch shape of each kernel; the other variants are `slow`.
 DEFAULT_SPECS = ("index_k_store[mode=1]", "index_query", "query_store[mode=2]", "mqa_logits", "mqa_logits[few-rows]", "mqa_logits[prefill]",
-                 "two_stage[scan]", "two_stage[scan-prefill]", "two_stage[rescore]", "page_checksum", "page_ledger[record]", "page_ledger[check]", "page_ledger[key_sums]",
+                 "two_stage[scan]", "two_stage[scan-prefill]", "two_stage[rescore]",
+                 "page_checksum", "page_ledger[record]", "page_ledger[check]", "page_ledger[key_sums]",
                  "page_ledger[lost_keys]", "page_copy")
 SLOW_SPECS = ("index_k_store[mode=0]", "index_k_store[mode=2]", "query_store[mode=1]")
 

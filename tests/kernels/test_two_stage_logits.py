@@ -64,7 +64,9 @@ def test_key_tile_quantization_is_torchs_e4m3_bit_for_bit(kern):
     exact = (bits | (torch.randint(0, 2, bits.shape, generator=g, dtype=torch.int32) << 15)).to(torch.int16)
     rows[1:17] = exact.view(torch.bfloat16).float()
     rows[1:17, 0] = 448.0
-    rows[17, :8] = torch.tensor([1.0625, 1.1875, 3 * 2.0**-10, 5 * 2.0**-10, 2.0**-6 - 2.0**-10, 0.0146484375, 416.0, 432.0])
+    # ties: 1.0 | 1.125, 1.125 | 1.25, subnormal 2^-9 | 2^-8 twice, 2^-6 - 2^-10 (to 2^-6); then 416, 432
+    rows[17] = 0.0
+    rows[17, :7] = torch.tensor([1.0625, 1.1875, 3 * 2.0**-10, 5 * 2.0**-10, 2.0**-6 - 2.0**-10, 416.0, 432.0])
     rows[17, 8] = 448.0
     k = rows.to(torch.bfloat16)
     values, scales = torch.empty(PAGE, D), torch.empty(PAGE)

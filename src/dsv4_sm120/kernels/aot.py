@@ -14,8 +14,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dsv4_sm120.kernels import (index_k_store, index_query, mqa_logits, page_checksum, page_copy, page_ledger, query_store,
-                                two_stage_logits)
+from dsv4_sm120.kernels import (index_k_store, index_query, mqa_logits, page_checksum, page_copy, page_ledger,
+                                query_store, two_stage_logits)
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, ROPE_DIM
 
 TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "sm_120": GPUTarget("cuda", 120, 32)}

@@ -171,9 +171,11 @@ def _check_two_stage(gen) -> tuple[bool, str, object]:
     fp8_paged_mqa_logits(*args, out=stage1)
     ref1 = fp8_paged_mqa_logits_ref(*args)
     live = torch.isfinite(ref1)
-    err1 = float((stage1[live] - ref1[live]).norm() / ref1[live].norm()) if not stage1[live].isnan().any() else float("inf")
+    err1 = float((stage1[live] - ref1[live]).norm() / ref1[live].norm())
+    err1 = float("inf") if stage1[live].isnan().any() else err1
     cand = _candidates(stage1, _live_lengths(sl, width), 1024)
-    scores, ref2 = rescore_candidates(q, pages, w, sl, pt, cand, width), rescore_candidates_ref(q, pages, w, sl, pt, cand, width)
+    scores = rescore_candidates(q, pages, w, sl, pt, cand, width)
+    ref2 = rescore_candidates_ref(q, pages, w, sl, pt, cand, width)
     scored = torch.isfinite(ref2)
     same_live = bool(torch.equal(torch.isfinite(scores), scored))
     err2 = float((scores[scored] - ref2[scored]).norm() / ref2[scored].norm())
@@ -184,9 +186,10 @@ def _check_two_stage(gen) -> tuple[bool, str, object]:
                for r, n in enumerate(lens))
     untouched = bool(stage1[~live].isnan().all())
     ok = err1 <= FP8_REL_ERR_LIMIT and err2 <= REL_ERR_LIMIT and same_live and same and untouched
-    return ok, (f"fp8 scan rel err {err1:.1e}, bf16 re-score rel err {err2:.1e}, top-512 "
-                f"{'identical to bf16' if same else 'DIFFERENT from bf16'}"
-                + ("" if untouched else "; wrote past a row's length") + ("" if same_live else "; wrong candidates scored")), run
+    detail = (f"fp8 scan rel err {err1:.1e}, bf16 re-score rel err {err2:.1e}, "
+              f"top-512 {'identical to bf16' if same else 'DIFFERENT from bf16'}")
+    detail += ("" if untouched else "; wrote past a row's length") + ("" if same_live else "; wrong candidates scored")
+    return ok, detail, run
 
 
 def _check_checksum(gen) -> tuple[bool, str, object]:
