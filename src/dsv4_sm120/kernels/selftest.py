@@ -20,7 +20,7 @@ from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS
 
 REL_ERR_LIMIT = 1e-5  # fp32 accumulation of exact bf16 products against the float64 reference
 # Stage 1 of the two-stage indexer against its reference: Hopper's fp8 products keep fewer accumulator bits than
-# fp32 (Triton's default there, as upstream's fp8 kernel); a bound set without a GPU run, not a measured one.
+# fp32 (Triton's default on sm_90); a bound set without a GPU run, not a measured one.
 FP8_REL_ERR_LIMIT = 1e-3
 BF16_MISMATCH_LIMIT = 1e-3  # share of bf16 outputs allowed to differ by one rounding step (ties)
 

@@ -21,17 +21,18 @@ Stage 2 takes each row's best ``topk + margin`` keys by stage 1 (``torch.topk``)
 again by ``logit`` above: a gather kernel loads 64 candidates' key rows as one [64, 128] tile and scores it
 with the single-stage kernel's own tile math (``mqa_logits._tile_scores``: the same product, relu, weights
 and head sum), so a candidate's score is the single-stage kernel's up to accumulation order. The best
-``topk`` candidates by that score are the selection. On synthetic long-context keys
-(bench/indexer/precision.py) a margin of 512 selected what bf16 keys select in every row.
+``topk`` candidates by that score are the selection: :func:`two_stage_topk` returns int32 ``[rows, topk]``,
+each row's key indices ascending, -1 after the last (upstream's raw indices, as a set). On synthetic
+long-context keys (bench/indexer/precision.py) a margin of 512 selected what bf16 keys select in every row.
 
 Program shapes: decode (fewer than ``mqa_logits.PREFILL_ROWS`` rows), ``splits`` programs a row, program p
 scanning tiles p, p + P, ... (as ``mqa_logits``' strided decode, with its split count); prefill, one program
 for ``ROWS_PER_PROGRAM`` consecutive rows, each key page loaded and quantized once for all of them, and rows
 that read another page (another request in the group) scanned again on their own pages afterwards.
 
-On a Hopper GPU Triton's fp8 product keeps fewer accumulator bits than fp32 by default (as upstream's fp8
-kernel does), so stage 1 there agrees with its reference less closely than under the CPU interpreter, where
-the e4m3 values are multiplied in fp32 (``FP32_DOT``: the interpreter's casts to float8e4nv truncate, so the
+On a Hopper GPU Triton's fp8 product keeps fewer accumulator bits than fp32 (its sm_90 default of
+``max_num_imprecise_acc``), so stage 1 there agrees with its reference less closely than under the CPU
+interpreter, where the e4m3 values are multiplied in fp32 (``FP32_DOT``: the interpreter's casts to float8e4nv truncate, so the
 values are rounded by :func:`e4m3_rne`). Stage 2 is unaffected. Speed is not measured.
 """
 
