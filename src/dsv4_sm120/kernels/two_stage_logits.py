@@ -32,8 +32,9 @@ that read another page (another request in the group) scanned again on their own
 
 On a Hopper GPU Triton's fp8 product keeps fewer accumulator bits than fp32 (its sm_90 default of
 ``max_num_imprecise_acc``), so stage 1 there agrees with its reference less closely than under the CPU
-interpreter, where the e4m3 values are multiplied in fp32 (``FP32_DOT``: the interpreter's casts to float8e4nv truncate, so the
-values are rounded by :func:`e4m3_rne`). Stage 2 is unaffected. Speed is not measured.
+interpreter, where the e4m3 values are multiplied in fp32 (``FP32_DOT``: the interpreter's casts to
+float8e4nv truncate, so the values are rounded by :func:`e4m3_rne`). Stage 2 is unaffected. Speed is not
+measured.
 """
 
 from __future__ import annotations
