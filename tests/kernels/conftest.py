@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-KERNEL_MODULES = ("_common", "layout", "index_k_store", "index_query", "query_store", "mqa_logits", "page_checksum", "page_ledger", "page_copy")
+KERNEL_MODULES = ("_common", "layout", "index_k_store", "index_query", "query_store", "mqa_logits", "page_checksum", "page_ledger", "page_copy",
+                  "two_stage_logits")
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,7 @@ for spec in KERNEL_SPECS:
         kernel = compile_for(spec, TARGETS[target])
         copies = [ln for ln in kernel.asm["ttgir"].splitlines() if "async_copy_global_to_local" in ln]
         out[spec.name] = {"ok": True, "cubin_bytes": len(kernel.asm["cubin"]), "mma": "mma" in kernel.asm["ptx"],
+                          "fp8_mma": any("mma" in ln and "e4m3.e4m3" in ln for ln in kernel.asm["ptx"].splitlines()),
                           "smem": kernel.metadata.shared, "key_page_copies": sum("bf16" in ln for ln in copies)}
     except Exception:
         out[spec.name] = {"ok": False, "error": traceback.format_exc()[-3000:]}
@@ -36,6 +37,7 @@ print("RESULT" + json.dumps(out))
 
 # The default suite compiles one launch shape of each kernel; the other variants are `slow`.
 DEFAULT_SPECS = ("index_k_store[mode=1]", "index_query", "query_store[mode=2]", "mqa_logits", "mqa_logits[few-rows]", "mqa_logits[prefill]",
+                 "two_stage[scan]", "two_stage[scan-prefill]", "two_stage[rescore]",
                  "page_checksum", "page_ledger[record]", "page_ledger[check]", "page_ledger[key_sums]",
                  "page_ledger[lost_keys]", "page_copy")
 SLOW_SPECS = ("index_k_store[mode=0]", "index_k_store[mode=2]", "query_store[mode=1]")
@@ -78,6 +80,13 @@ def test_logits_uses_tensor_cores(compiled):
 
 
 @pytest.mark.parametrize("target", ["sm_90", "sm_120"])
+def test_two_stage_scan_multiplies_fp8_and_the_rescore_bf16(compiled, target):
+    """Stage 1 of the two-stage indexer runs on fp8 tensor cores (its point: twice bf16's rate), stage 2 on bf16."""
+    assert compiled[target]["two_stage[scan]"]["fp8_mma"] and compiled[target]["two_stage[scan-prefill]"]["fp8_mma"]
+    assert compiled[target]["two_stage[rescore]"]["mma"] and not compiled[target]["two_stage[rescore]"]["fp8_mma"]
+
+
+@pytest.mark.parametrize("target", ["sm_90", "sm_120"])
 def test_the_key_store_and_query_rotate_by_adds_not_a_matrix_product(compiled, target):
     """The 128-point Hadamard of the bf16 key store and query is butterflies of adds: a matrix product (the
     128 x 128 matrix built per program, tf32x3) made both kernels several times slower than upstream's on an
@@ -95,7 +104,8 @@ def test_shared_memory_fits_the_target(compiled, target):
 
 
 @pytest.mark.parametrize("target", ["sm_90", "sm_120"])
-@pytest.mark.parametrize("name", ["mqa_logits", "mqa_logits[few-rows]", "mqa_logits[prefill]"])
+@pytest.mark.parametrize("name", ["mqa_logits", "mqa_logits[few-rows]", "mqa_logits[prefill]", "two_stage[scan]",
+                                  "two_stage[scan-prefill]"])
 def test_logits_key_pages_are_pipelined(compiled, target, name):
     res = compiled[target][name]
     assert res["ok"] and res["key_page_copies"] > 0, (

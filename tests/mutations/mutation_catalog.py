@@ -18,6 +18,7 @@ NIXL = "src/dsv4_sm120/nixl/"
 GUARD = "src/dsv4_sm120/guard/"
 INDEX_K = "src/dsv4_sm120/index_k/"
 LEDGER = "src/dsv4_sm120/kernels/page_ledger.py"
+TWO_STAGE = "src/dsv4_sm120/kernels/two_stage_logits.py"
 FRAMES = "tests/nixl/test_nixl_frames.py::"
 ABORT_SAFETY = "tests/nixl/test_nixl_abort_safety.py::"
 LIVENESS = "tests/nixl/test_nixl_liveness.py::test_stuck_transfer_worker_then_dead_bootstrap_thread_fail_health"
@@ -265,6 +266,16 @@ MUTATIONS: tuple[Mutation, ...] = (
          "    h = tl.zeros((128, 128), tl.float32) + 0.08838834764831845\n"
          "    return tl.dot(x, h, input_precision=\"tf32x3\") * 0.0 + x * 0.08838834764831845"),),
       ("tests/kernels/test_aot_compile.py::test_the_key_store_and_query_rotate_by_adds_not_a_matrix_product",)),
+    # --- the two-stage indexer (kernel level, not yet served) ------------------------------------------
+    M("two-stage-selects-by-stage-1", "two-stage indexer: stage 2 re-scores the candidates in bf16 and selects by that",
+      (E(TWO_STAGE, "    scores = rescore_candidates(q, pages, weights, seq_lens, page_table, cand, max_seq_len)\n",
+         "    scores = stage1.gather(1, cand.long().clamp_min(0)).masked_fill(cand < 0, float(\"-inf\"))\n"),),
+      ("tests/kernels/test_two_stage_logits.py::"
+       "test_two_stage_selects_what_bf16_selects_when_the_margin_covers_the_keys[near_tied]",)),
+    M("two-stage-key-scale-per-tile", "two-stage indexer: stage 1 quantizes each key with its own scale, not its tile's",
+      (E(TWO_STAGE, "    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4),",
+         "    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1) * 0.0 + tl.max(tl.abs(x)), 1e-4),"),),
+      ("tests/kernels/test_two_stage_logits.py::test_stage1_matches_its_fp8_reference[1]",)),
     M("admission-reads-fresh-slots-with-nothing-quarantined",
       "fix 2: with nothing quarantined the scheduler hooks read no tensor (no wait for the forward in flight)",
       (E(INDEX_K + "request_fail.py", "    if QUARANTINE.pages and batch.out_cache_loc is not None:",

@@ -14,7 +14,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dsv4_sm120.kernels import index_k_store, index_query, mqa_logits, page_checksum, page_copy, page_ledger, query_store
+from dsv4_sm120.kernels import (index_k_store, index_query, mqa_logits, page_checksum, page_copy, page_ledger,
+                                query_store, two_stage_logits)
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, ROPE_DIM
 
 TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "sm_120": GPUTarget("cuda", 120, 32)}
@@ -67,6 +68,30 @@ def _logits_spec(rows_per_program: int = 1, inline_store: bool = True) -> Kernel
                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
+def _scan_spec(rows_per_program: int) -> KernelSpec:
+    """Stage 1 of the two-stage indexer: e4m3 queries (quantized by torch once a call), bf16 pages."""
+    ts = two_stage_logits
+    sig = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "kv_ptr": "*bf16", "seq_ptr": "*i32", "pt_ptr": "*i32",
+           "out_ptr": "*fp32", "stride_q_row": "i64", "stride_q_head": "i64", "stride_w_row": "i64",
+           "stride_pt_row": "i64", "stride_out_row": "i64", "n_rows": "i32", "max_seq_len": "i32", "splits": "i32"}
+    cfg = ts.SCAN_PREFILL_CONFIG if rows_per_program > 1 else ts.SCAN_DECODE_CONFIG
+    return KernelSpec(f"two_stage[scan{'-prefill' if rows_per_program > 1 else ''}]", ts._scan_kernel, sig,
+                      {"H": 64, "D": HEAD_DIM, "PAGE": PAGE_SLOTS, "R": rows_per_program, "FP32_DOT": False},
+                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def _rescore_spec() -> KernelSpec:
+    """Stage 2 of the two-stage indexer: the bf16 queries and weights the single-stage kernel takes."""
+    ts = two_stage_logits
+    sig = {"q_ptr": "*bf16", "w_ptr": "*fp32", "kv_ptr": "*bf16", "seq_ptr": "*i32", "pt_ptr": "*i32",
+           "cand_ptr": "*i32", "out_ptr": "*fp32", "stride_q_row": "i64", "stride_q_head": "i64",
+           "stride_w_row": "i64", "stride_pt_row": "i64", "stride_c_row": "i64", "stride_out_row": "i64",
+           "n_cand": "i32", "max_seq_len": "i32"}
+    return KernelSpec("two_stage[rescore]", ts._rescore_kernel, sig,
+                      {"H": 64, "D": HEAD_DIM, "PAGE": PAGE_SLOTS, "FP32_DOT": False},
+                      num_warps=ts.RESCORE_CONFIG["num_warps"], num_stages=ts.RESCORE_CONFIG["num_stages"])
+
+
 KERNEL_SPECS = (
     _store_spec(0), _store_spec(1), _store_spec(2),
     KernelSpec("index_query", index_query._query_kernel,  # q and head weights as upstream's bf16 linears give them
@@ -77,6 +102,7 @@ KERNEL_SPECS = (
     _logits_spec(),
     _logits_spec(inline_store=False),  # decode below INLINE_STORE_MIN_ROWS rows
     _logits_spec(mqa_logits.ROWS_PER_PROGRAM),
+    _scan_spec(1), _scan_spec(two_stage_logits.ROWS_PER_PROGRAM), _rescore_spec(),
     KernelSpec("page_checksum", page_checksum._checksum_kernel,
                {"x_ptr": "*i32", "out_ptr": "*i64", "row_words": "i32", "stride_row": "i64"},
                {"BLOCK": page_checksum.BLOCK}, num_warps=page_checksum.NUM_WARPS),

@@ -19,6 +19,9 @@ import torch
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS
 
 REL_ERR_LIMIT = 1e-5  # fp32 accumulation of exact bf16 products against the float64 reference
+# Stage 1 of the two-stage indexer against its reference: Hopper's fp8 products keep fewer accumulator bits than
+# fp32 (Triton's default on sm_90); a bound set without a GPU run, not a measured one.
+FP8_REL_ERR_LIMIT = 1e-3
 BF16_MISMATCH_LIMIT = 1e-3  # share of bf16 outputs allowed to differ by one rounding step (ties)
 
 
@@ -148,6 +151,47 @@ def _check_logits(gen) -> tuple[bool, str, object]:
         "" if untouched else "; wrote past a row's length"), runs[0]
 
 
+def _check_two_stage(gen) -> tuple[bool, str, object]:
+    """The two-stage indexer (not yet used by serving) on decode rows of 1 to 4000 keys at width 8192: stage 1
+    against its fp8 reference, stage 2 against the bf16 one, and the selection (margin 512) against bf16's."""
+    from dsv4_sm120.kernels.mqa_logits import paged_mqa_logits_ref
+    from dsv4_sm120.kernels.two_stage_logits import (_candidates, _live_lengths, fp8_paged_mqa_logits,
+                                                     fp8_paged_mqa_logits_ref, rescore_candidates,
+                                                     rescore_candidates_ref, two_stage_topk)
+
+    width, h, lens = 8192, 64, [1, 63, 513, 4000]
+    n_pages = width // PAGE_SLOTS
+    pages = torch.randn(len(lens) * n_pages, PAGE_SLOTS, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
+    q = torch.randn(len(lens), h, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
+    w = torch.randn(len(lens), h, generator=gen, device="cuda")
+    pt = torch.randperm(pages.shape[0], generator=gen, device="cuda").view(len(lens), n_pages).to(torch.int32)
+    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    args = (q, pages, w, sl, pt, width)
+    stage1 = torch.full((len(lens), width), float("nan"), device="cuda")
+    fp8_paged_mqa_logits(*args, out=stage1)
+    ref1 = fp8_paged_mqa_logits_ref(*args)
+    live = torch.isfinite(ref1)
+    err1 = float((stage1[live] - ref1[live]).norm() / ref1[live].norm())
+    err1 = float("inf") if stage1[live].isnan().any() else err1
+    cand = _candidates(stage1, _live_lengths(sl, width), 1024)
+    scores = rescore_candidates(q, pages, w, sl, pt, cand, width)
+    ref2 = rescore_candidates_ref(q, pages, w, sl, pt, cand, width)
+    scored = torch.isfinite(ref2)
+    same_live = bool(torch.equal(torch.isfinite(scores), scored))
+    err2 = float((scores[scored] - ref2[scored]).norm() / ref2[scored].norm())
+    run = lambda: two_stage_topk(*args)  # noqa: E731
+    sel = run()
+    bf16 = paged_mqa_logits_ref(*args, dtype=torch.float64)
+    same = all(set(sel[r][sel[r] >= 0].tolist()) == set(torch.topk(bf16[r, :n], min(512, n)).indices.tolist())
+               for r, n in enumerate(lens))
+    untouched = bool(stage1[~live].isnan().all())
+    ok = err1 <= FP8_REL_ERR_LIMIT and err2 <= REL_ERR_LIMIT and same_live and same and untouched
+    detail = (f"fp8 scan rel err {err1:.1e}, bf16 re-score rel err {err2:.1e}, "
+              f"top-512 {'identical to bf16' if same else 'DIFFERENT from bf16'}")
+    detail += ("" if untouched else "; wrote past a row's length") + ("" if same_live else "; wrong candidates scored")
+    return ok, detail, run
+
+
 def _check_checksum(gen) -> tuple[bool, str, object]:
     from dsv4_sm120.kernels.page_checksum import page_checksum, page_checksum_ref
 
@@ -174,7 +218,7 @@ def _check_copy(gen) -> tuple[bool, str, object]:
 
 
 CHECKS = (("index_k_store", _check_store), ("index_query", _check_query), ("query_store", _check_query_store),
-          ("mqa_logits", _check_logits),
+          ("mqa_logits", _check_logits), ("two_stage", _check_two_stage),
           ("page_checksum", _check_checksum), ("page_copy", _check_copy))
 
 
