@@ -13,6 +13,20 @@ ranks 1024, 8 output groups, 64 index heads, window 128, YaRN x16 over 65536) an
 width (2048) instead of 256, so that the GPU work of attention and the indexer dominates a step while
 the weights stay small. Flash has 43 layers, 256 experts and top-6 routing.
 
+``flash_share``: Flash's per-layer proportions (its attention and indexer widths, top-6 of experts 2048
+wide plus one shared, its layer pattern) with as many layers as one 80 GB GPU holds for the three servers
+of the ``longctx`` set at once with bf16 dummy weights: :func:`flash_share_counts` counts each layer's
+bytes (:func:`weight_bytes`) and keeps the three servers' weights within 60% of 80 GB, the rest for their
+pools, activations and graphs. It comes to 20 layers (two SWA-only, nine C4, nine C128) and 8 routed
+experts, 15.9 GB a server. Layers are kept before experts: a token's FLOPs per layer do not depend on
+how many experts it chooses from (six and the shared one either way), while the share of C4 layers (the
+ones with an indexer) does depend on the count: 9 of 20 here, 21 of 43 in Flash, 5 of 12 in
+``flash12``. What is cut: 23 layers and 248 of 256 experts (a decode batch reads 8 experts' weights a
+layer where Flash's would read up to 256 of its mxfp4 ones).
+
+:data:`FLASH` is the full DeepSeek-V4-Flash config (not a checkpoint: its bf16 weights do not fit), the
+reference of the long-context panel's analytic shares.
+
 Upstream reads ``num_hash_layers`` (the config class's own field is ``n_hash_layers``): both are set.
 No ``quantization_config``: bf16 dummy weights; the launch sets ``SGLANG_DSV4_FP4_EXPERTS=0`` so the
 routed experts stay bf16 too.
@@ -74,6 +88,75 @@ _TINY = {
     "vocab_size": 1024,
 }
 
+def layer_pattern(layers: int) -> list[int]:
+    """Flash's compress ratios for ``layers`` layers: two SWA-only (0), then C4 and C128 alternating, and the
+    trailing entry (0) of the next-token layer."""
+    return ([0, 0] + [4, 128] * layers)[:layers] + [0]
+
+
+FLASH = {
+    "hidden_size": 4096,
+    "num_attention_heads": 64,
+    "q_lora_rank": 1024,
+    "o_lora_rank": 1024,
+    "o_groups": 8,
+    "num_hidden_layers": 43,
+    "compress_ratios": layer_pattern(43),
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 6,
+    "moe_intermediate_size": 2048,
+    "num_hash_layers": 3,
+    "n_hash_layers": 3,
+    "vocab_size": 129280,
+}
+
+GPU_BYTES = 80e9
+WEIGHT_SHARE = 0.6  # of one GPU, for the weights of the three servers that share it
+SHARE_SERVERS = 3
+SHARE_EXPERTS = 8
+
+
+def layer_params(cfg: dict, ratio: int) -> int:
+    """Parameters of one layer of ``cfg`` with compress ratio ``ratio``: attention (wq_a, wkv, wq_b, the
+    grouped wo_a, wo_b), the compressor (``2 * coff * head_dim`` wide, coff 2 for C4), the C4 indexer (wq_b,
+    weights_proj, its compressor of index_head_dim), the routed and shared experts (three ``hidden x
+    moe_intermediate`` matrices each) and the router. Norms, sinks and the hyper-connection mixes (under
+    0.1% of a layer) are left out."""
+    h, heads, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
+    q, o, groups = cfg["q_lora_rank"], cfg["o_lora_rank"], cfg["o_groups"]
+    p = h * q + h * hd + q * heads * hd + heads * hd * o + groups * o * h
+    if ratio:
+        p += h * 2 * (2 if ratio == 4 else 1) * hd
+    if ratio == 4:
+        ih, idim = cfg["index_n_heads"], cfg["index_head_dim"]
+        p += q * ih * idim + h * ih + h * 2 * 2 * idim
+    experts = cfg["n_routed_experts"]
+    return p + (experts + cfg["n_shared_experts"]) * 3 * h * cfg["moe_intermediate_size"] + h * experts
+
+
+def weight_bytes(cfg: dict, bytes_per_param: int = 2) -> int:
+    """Bytes of a config's weights in bf16: every layer (:func:`layer_params`), the embedding and the head."""
+    cfg = {**_COMMON, **cfg}
+    ratios = cfg["compress_ratios"][: cfg["num_hidden_layers"]]
+    params = sum(layer_params(cfg, r) for r in ratios) + 2 * cfg["vocab_size"] * cfg["hidden_size"]
+    return params * bytes_per_param
+
+
+def _flash_with(layers: int, experts: int) -> dict:
+    return {**FLASH, "num_hidden_layers": layers, "compress_ratios": layer_pattern(layers),
+            "n_routed_experts": experts}
+
+
+def flash_share_counts(budget: float = GPU_BYTES * WEIGHT_SHARE, servers: int = SHARE_SERVERS,
+                       experts: int = SHARE_EXPERTS) -> tuple[int, int]:
+    """(layers, routed experts) of ``flash_share``: the most layers, an even count (as many C4 layers as
+    C128), whose weights ``servers`` times over fit ``budget`` bytes with ``experts`` routed experts."""
+    layers = 4
+    while layers + 2 <= FLASH["num_hidden_layers"] and servers * weight_bytes(_flash_with(layers + 2, experts)) <= budget:
+        layers += 2
+    return layers, experts
+
+
 MODELS = {
     "tiny": _TINY,
     # tiny's dimensions, six C4 layers: six index-K pages move with every 256 prefix tokens
@@ -93,6 +176,7 @@ MODELS = {
         "n_hash_layers": 3,
         "vocab_size": 129280,
     },
+    "flash_share": _flash_with(*flash_share_counts()),
 }
 
 
