@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 
 from harness import run_record
-from bench.gpu_server import abort_safety, agents, hicache, incident, pd, scenarios
+from bench.gpu_server import abort_safety, agents, hicache, incident, longctx, pd, scenarios
 from bench.gpu_server.servers import Started, launch_line, log_tail, start, wait_healthy
 
 SETS = {"serve": (scenarios.serve_specs, scenarios.run_serve), "cost": (scenarios.cost_specs, scenarios.run_cost),
-        "hicache": (hicache.specs, hicache.run)}
+        "hicache": (hicache.specs, hicache.run), "longctx": (longctx.specs, longctx.run)}
 # Sets that start their own processes: run(models_root, log_dir, startup_timeout, servers record, results,
 # mem_fraction=None, ready=None); ready(), when given, is called once their servers serve, before their traffic
 OWN_PROCESSES = {"pd": pd.run, "incident": incident.run, "agents": agents.run, "abort_safety": abort_safety.run}
@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_server run", description=__doc__.splitlines()[0])
     ap.add_argument("set", choices=sorted(SETS | OWN_PROCESSES),
                     help="serve: scenarios a, b, e, f (tiny); cost: scenario c (flash12); hicache: the HiCache storm; "
+                         "longctx: bf16 keys against upstream's fp8 indexers, prefill 16k-256k and decode at 16k-256k "
+                         "(DSV4_GPU_LONGCTX_MODEL, default flash12); "
                          "pd: a prefill/decode pair over NIXL behind the PD router under the PD scenarios (tiny); "
                          "incident: PD pairs with HiCache and decode graphs under killed 80-session agents (hicache); "
                          "agents: HiCache's gain and the fixes' price on an agent workload at C=4 and C=64 (flash12); "
