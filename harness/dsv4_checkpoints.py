@@ -152,7 +152,10 @@ def flash_share_counts(budget: float = GPU_BYTES * WEIGHT_SHARE, servers: int = 
     """(layers, routed experts) of ``flash_share``: the most layers, an even count (as many C4 layers as
     C128), whose weights ``servers`` times over fit ``budget`` bytes with ``experts`` routed experts."""
     layers = 4
-    while layers + 2 <= FLASH["num_hidden_layers"] and servers * weight_bytes(_flash_with(layers + 2, experts)) <= budget:
+    def fits(n: int) -> bool:
+        return n <= FLASH["num_hidden_layers"] and servers * weight_bytes(_flash_with(n, experts)) <= budget
+
+    while fits(layers + 2):
         layers += 2
     return layers, experts
 

@@ -270,7 +270,8 @@ def run(servers: dict, logs: dict | None = None, work_dir=None, out: dict | None
     vocab = cfg["vocab_size"]
     names = list(servers)
     result = out if out is not None else {}
-    result.update({"model": name, "points": {"prefill": pts["prefill"], "decode": [f"{b}x{d}" for b, d in pts["decode"]]},
+    result.update({"model": name,
+                   "points": {"prefill": pts["prefill"], "decode": [f"{b}x{d}" for b, d in pts["decode"]]},
                    "rounds": pts["rounds"], "bars": {**BARS, "against": BAR_BASE}})
     result["analytic_indexer_share"] = analytic_shares(pts["prefill"], pts["decode"], name)
     prefill, decode = result.setdefault("prefill", {}), result.setdefault("decode", {})
@@ -311,7 +312,8 @@ def run(servers: dict, logs: dict | None = None, work_dir=None, out: dict | None
             for rnd in range(pts["rounds"]):
                 order[f"decode {point} round {rnd}"] = now = _visit_order(names, f"decode {point}", rnd)
                 for v, n in enumerate(now):
-                    ids = traffic.prompts(3000 + 100 * rnd + 10 * v + batch, batch, depth, vocab, prefix=prefixes[depth])
+                    seed = 3000 + 100 * rnd + 10 * v + batch
+                    ids = traffic.prompts(seed, batch, depth, vocab, prefix=prefixes[depth])
                     at = log_len(n)
                     _, arrivals = traffic.stream_token_times(servers[n], ids, DECODE_SHORT + DECODE_STEPS)
                     client[n].append(round(traffic.step_seconds(arrivals, DECODE_SHORT) * 1e3, 4))
