@@ -6,7 +6,9 @@ each of its production fp8 indexer kernels, TileLang (sm_120's default) and Deep
 is Flash's per-layer proportions with as many layers as three servers' bf16 weights fit on one 80 GB GPU,
 ``harness/dsv4_checkpoints.py`` says what it cuts and why). Each is sized for the longest point: context
 ``CONTEXT_LENGTH`` (256k tokens and the decode tails), a pool of ``MAX_TOTAL_TOKENS`` (one 256k request plus
-32 decode tails), chunked prefill of 16384 tokens.
+32 decode tails), chunked prefill of 16384 tokens (``DSV4_GPU_LONGCTX_CHUNK``: a C4 layer's logits of one chunk
+at 256k are chunk x 64k fp32 values, 4 GiB at 16384, and each server's allocator keeps its peak; 8192 halves
+that where three servers' peaks do not fit beside their weights).
 
 Points. Cache-cold prefill of 16k to 256k tokens: each visit a fresh random prompt (nothing cached), one new
 token; timed by the client (time to the answer, the first token) and from sglang's own ``Prefill batch``
@@ -69,8 +71,9 @@ def specs() -> list[ServerSpec]:
     budget of one is what is free when it profiles minus (1 - share) x what was free when it started, so the
     share must leave room for the others' weights (``flash_share``'s three take 48 GB of 80); the pools are
     capped by ``--max-total-tokens`` either way. Half the pool for the sliding-window layers, as ``cost``."""
+    chunk = int(os.environ.get("DSV4_GPU_LONGCTX_CHUNK", CHUNKED_PREFILL))
     common = dict(mem_fraction=0.75, max_total_tokens=MAX_TOTAL_TOKENS, context_length=CONTEXT_LENGTH,
-                  chunked_prefill=CHUNKED_PREFILL, graph_batches=tuple(DECODE_BATCHES),
+                  chunked_prefill=chunk, graph_batches=tuple(DECODE_BATCHES),
                   extra_args=["--swa-full-tokens-ratio", "0.5", "--decode-log-interval", str(DECODE_LOG_INTERVAL)])
     name = model()
     return [

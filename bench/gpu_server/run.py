@@ -23,7 +23,7 @@ import tarfile
 import time
 from pathlib import Path
 
-from harness import run_record
+from harness import dsv4_checkpoints, run_record
 from bench.gpu_server import abort_safety, agents, hicache, incident, longctx, pd, scenarios
 from bench.gpu_server.servers import Started, launch_line, log_tail, start, wait_healthy
 
@@ -79,6 +79,17 @@ def package_commit(record: dict, bundle: Path) -> str | None:
     if path and not path.startswith(str(bundle)):
         return record["commit"]
     return ((record["bundle"] or {}).get("project") or {}).get("commit", "")[:7] or None
+
+
+def ensure_checkpoints(models: set[str], models_root: Path) -> list[str]:
+    """Write the config of each of ``models`` that ``models_root`` lacks (a bundle finished before the checkpoint
+    was added to ``harness/dsv4_checkpoints.py``); the names written. No folder, no bundle: nothing written."""
+    if not Path(models_root).is_dir():
+        return []
+    missing = sorted(m for m in models if not (Path(models_root) / m / "config.json").exists())
+    for name in missing:
+        dsv4_checkpoints.write(name, models_root)
+    return missing
 
 
 def wait_for_file(path: Path, timeout: float) -> float:
@@ -158,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             specs = [s for s in make_specs() if not args.only or s.name in args.only.split(",")]
             if args.mem_fraction is not None:
                 specs = [dataclasses.replace(s, mem_fraction=args.mem_fraction) for s in specs]
+            record["checkpoints_written"] = ensure_checkpoints({s.model for s in specs}, args.bundle / "models")
             started = [start(s, args.bundle / "models", log_dir) for s in specs]
             wait_healthy(started, args.startup_timeout)
             record["servers"] = {s.spec.name: {"launch": launch_line(s), "healthy_after_s": s.healthy_after_s}

@@ -28,7 +28,17 @@ def test_the_set_is_registered_with_three_servers_sized_for_256k(monkeypatch):
         assert s.max_total_tokens >= 262144 + 32 * (longctx.TAIL + longctx.DECODE_SHORT + longctx.DECODE_STEPS)
         assert s.chunked_prefill == 16384 and s.graph_batches == (1, 8, 32)
     monkeypatch.delenv("DSV4_GPU_LONGCTX_MODEL")
-    assert {s.model for s in longctx.specs()} == {"flash12"}
+    monkeypatch.setenv("DSV4_GPU_LONGCTX_CHUNK", "8192")
+    assert {(s.model, s.chunked_prefill) for s in longctx.specs()} == {("flash12", 8192)}
+
+
+def test_a_bundle_finished_before_flash_share_gets_its_config_written(tmp_path):
+    dsv4_checkpoints.write("flash12", tmp_path)
+    assert run.ensure_checkpoints({"flash12", "flash_share"}, tmp_path) == ["flash_share"]
+    import json
+    assert json.loads((tmp_path / "flash_share" / "config.json").read_text()) == dsv4_checkpoints.config("flash_share")
+    assert run.ensure_checkpoints({"flash12", "flash_share"}, tmp_path) == []
+    assert run.ensure_checkpoints({"flash12"}, tmp_path / "no-bundle") == [] and not (tmp_path / "no-bundle").exists()
 
 
 def test_the_points_come_from_the_defaults_or_the_environment():
