@@ -210,9 +210,10 @@ def verdict(interval: dict, bar: float) -> str:
     return "failed" if interval["low"] > bar else "not shown"
 
 
-def ratio_rows(prefill: dict, decode: dict) -> dict:
+def ratio_rows(prefill: dict, decode: dict, shares: dict | None = None) -> dict:
     """Per point and upstream server, the ratio of the package's median to upstream's with its bootstrap
-    interval, by the client and by the server, each with its bar's verdict."""
+    interval, by the client and by the server, each with its bar's verdict; with ``shares``
+    (:func:`analytic_shares`), the point's analytic indexer share beside it."""
     out: dict = {}
     for kind, table, client, server in (("prefill", prefill, "visits_ms", "server_visits_ms"),
                                         ("decode", decode, "visits_ms", "server_visits_ms")):
@@ -223,6 +224,8 @@ def ratio_rows(prefill: dict, decode: dict) -> dict:
                 if base not in per_server:
                     continue
                 row = {"bar": BARS[kind], "bar_of_the_issue": base == BAR_BASE}
+                if shares and f"{kind} {point}" in shares:
+                    row["analytic_indexer_share"] = shares[f"{kind} {point}"]
                 for measure, key in (("client", client), ("server", server)):
                     r = medians_ratio(per_server[OURS][key], per_server[base][key])
                     row[measure] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
@@ -302,7 +305,7 @@ def run(servers: dict, logs: dict | None = None, work_dir=None, out: dict | None
                 server[n].append(visit_prefill_ms(log_since(n, at)) if logs else None)
         prefill[str(length)] = {n: {"ttft_ms": _figure(client[n]), "visits_ms": client[n],
                                     "server_ms": _figure(server[n]), "server_visits_ms": server[n]} for n in names}
-        result["ratios"] = ratio_rows(prefill, decode)
+        result["ratios"] = ratio_rows(prefill, decode, result["analytic_indexer_share"])
     for depth in depths:  # the depth's prefix cached once per server, then its points
         for n in names:
             traffic.generate(servers[n], [prefixes[depth] + traffic.prompt(1, TAIL, vocab)], 1)
@@ -315,7 +318,7 @@ def run(servers: dict, logs: dict | None = None, work_dir=None, out: dict | None
             for rnd in range(pts["rounds"]):
                 order[f"decode {point} round {rnd}"] = now = _visit_order(names, f"decode {point}", rnd)
                 for v, n in enumerate(now):
-                    seed = 3000 + 100 * rnd + 10 * v + batch
+                    seed = 3_000_000 + 100_000 * batch + 100 * rnd + v  # each visit's tails its own
                     ids = traffic.prompts(seed, batch, depth, vocab, prefix=prefixes[depth])
                     at = log_len(n)
                     _, arrivals = traffic.stream_token_times(servers[n], ids, DECODE_SHORT + DECODE_STEPS)
@@ -323,7 +326,7 @@ def run(servers: dict, logs: dict | None = None, work_dir=None, out: dict | None
                     server[n].append(step_log.visit_step_ms(log_since(n, at), batch) if logs else None)
             decode[point] = {n: {"step_ms": _figure(client[n]), "visits_ms": client[n],
                                  "server_step_ms": _figure(server[n]), "server_visits_ms": server[n]} for n in names}
-            result["ratios"] = ratio_rows(prefill, decode)
-    result["ratios"] = ratio_rows(prefill, decode)
+            result["ratios"] = ratio_rows(prefill, decode, result["analytic_indexer_share"])
+    result["ratios"] = ratio_rows(prefill, decode, result["analytic_indexer_share"])
     result["bar_verdicts"] = bars(result["ratios"])
     return result

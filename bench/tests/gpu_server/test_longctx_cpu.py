@@ -215,3 +215,4 @@ def test_a_run_on_stand_in_servers_fills_every_figure(monkeypatch):
     assert res["ratios"]["decode 2x300"]["dsv4_bf16/sglang_tilelang"]["server_verdict"] == "shown"
     assert res["bar_verdicts"]["server"]["failed"] == ["prefill 200", "prefill 300"]
     assert set(res["analytic_indexer_share"]) == {"prefill 200", "prefill 300", "decode 2x300"}
+    assert row["analytic_indexer_share"] == res["analytic_indexer_share"]["prefill 300"]
