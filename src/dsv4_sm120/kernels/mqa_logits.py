@@ -219,6 +219,21 @@ def _load_row_q(q_ptr, w_ptr, stride_q_head, H: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _row_group(seq_ptr, pt_ptr, stride_pt_row, n_rows, max_seq_len, R: tl.constexpr):
+    """A prefill program's R consecutive rows, the last group first (in causal prefill the longest): its first row,
+    the row offsets, the rows (a short last group repeats its last row, with no keys), their lengths, the longest,
+    and the page table of a row with the most keys, whose pages the group loads."""
+    group = tl.num_programs(0) - 1 - tl.program_id(0)
+    r0 = group * R
+    rr = tl.arange(0, R)
+    rows = tl.minimum(r0 + rr, n_rows - 1).to(tl.int64)
+    seqs = tl.where(r0 + rr < n_rows, tl.minimum(tl.load(seq_ptr + rows), max_seq_len), 0)
+    seq_hi = tl.max(seqs, axis=0)
+    ref = tl.minimum(r0 + tl.argmax(seqs, axis=0), n_rows - 1).to(tl.int64)
+    return r0, rr, rows, seqs, seq_hi, pt_ptr + ref * stride_pt_row
+
+
+@triton.jit
 def _score_row(q_t, w, kv_ptr, pt_row, out_row, ref_pt, seq, t0, t1,
                D: tl.constexpr, PAGE: tl.constexpr, TP: tl.constexpr,
                ONLY_OTHER_PAGES: tl.constexpr, FP32_DOT: tl.constexpr, first_page=0, step=1,
@@ -275,14 +290,7 @@ def _logits_kernel(
             _score_row(q_t, w, kv_ptr, pt_row, out_ptr + row64 * stride_out_row, pt_row, seq, split, n_tiles,
                        D, PAGE, TP, False, FP32_DOT, first_page, active, INLINE_STORE)
     else:  # prefill: R consecutive rows per program; a key page they share is loaded once for all R
-        group = tl.num_programs(0) - 1 - tl.program_id(0)  # last rows first: in causal prefill the longest
-        r0 = group * R
-        rr = tl.arange(0, R)
-        rows = tl.minimum(r0 + rr, n_rows - 1).to(tl.int64)  # a short last group repeats its last row ...
-        seqs = tl.where(r0 + rr < n_rows, tl.minimum(tl.load(seq_ptr + rows), max_seq_len), 0)  # ... with no keys
-        seq_hi = tl.max(seqs, axis=0)
-        ref = tl.minimum(r0 + tl.argmax(seqs, axis=0), n_rows - 1).to(tl.int64)  # a row with the most keys
-        ref_pt = pt_ptr + ref * stride_pt_row
+        r0, rr, rows, seqs, seq_hi, ref_pt = _row_group(seq_ptr, pt_ptr, stride_pt_row, n_rows, max_seq_len, R)
         # the R rows' heads side by side, in two halves scored by two products a tile: one product over all R
         # rows held more registers than a program has and spilled (Triton 3.8: 288 B, two halves 152 B;
         # 3-5% faster on a Hopper GPU). Triton still waits for both before the first head sum. The halves' head sums

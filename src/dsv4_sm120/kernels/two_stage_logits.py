@@ -46,7 +46,7 @@ import triton.language as tl
 from dsv4_sm120.kernels._common import cdiv, interpreting
 from dsv4_sm120.kernels.launch import check_one_device, launch
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, check_pages
-from dsv4_sm120.kernels.mqa_logits import (PREFILL_ROWS, _half_group, _load_row_q, _normalize, _row_sums,
+from dsv4_sm120.kernels.mqa_logits import (PREFILL_ROWS, _half_group, _load_row_q, _normalize, _row_group, _row_sums,
                                            _tile_scores, decode_splits, paged_mqa_logits_ref)
 
 FP8_MAX = 448.0  # e4m3fn's largest finite value, upstream's kFP8E4M3Max
@@ -137,14 +137,7 @@ def _scan_kernel(
             _scan_row(q_t, w, kv_ptr, pt_row, out_ptr + row * stride_out_row, pt_row, seq, split, n_tiles, active,
                       D, PAGE, False, FP32_DOT)
     else:  # prefill: R consecutive rows; a page they share is loaded and quantized once for all R
-        group = tl.num_programs(0) - 1 - tl.program_id(0)  # last rows first: in causal prefill the longest
-        r0 = group * R
-        rr = tl.arange(0, R)
-        rows = tl.minimum(r0 + rr, n_rows - 1).to(tl.int64)  # a short last group repeats its last row ...
-        seqs = tl.where(r0 + rr < n_rows, tl.minimum(tl.load(seq_ptr + rows), max_seq_len), 0)  # ... with no keys
-        seq_hi = tl.max(seqs, axis=0)
-        ref = tl.minimum(r0 + tl.argmax(seqs, axis=0), n_rows - 1).to(tl.int64)  # a row with the most keys
-        ref_pt = pt_ptr + ref * stride_pt_row
+        r0, rr, rows, seqs, seq_hi, ref_pt = _row_group(seq_ptr, pt_ptr, stride_pt_row, n_rows, max_seq_len, R)
         HALF: tl.constexpr = R // 2  # two products a tile, as mqa_logits' prefill (one held too many registers)
         q_a, w_a = _half_group(q_ptr, w_ptr, r0, n_rows, stride_q_row, stride_q_head, stride_w_row, HALF, H, D)
         q_b, w_b = _half_group(q_ptr, w_ptr, r0 + HALF, n_rows, stride_q_row, stride_q_head, stride_w_row, HALF, H, D)
