@@ -39,9 +39,11 @@ from __future__ import annotations
 import os
 import statistics
 
+import numpy as np
+
 from bench.gpu_server import step_log, traffic
 from bench.gpu_server.agents import medians_ratio
-from bench.gpu_server.scenarios import _spread, _visit_order
+from bench.gpu_server.scenarios import _spread, _visit_order, warm_every_shape
 from bench.gpu_server.servers import ServerSpec
 from harness import dsv4_checkpoints
 
@@ -117,8 +119,6 @@ def points(env=None) -> dict:
 def _row_flops(cfg: dict, t, last_row_logits: bool = True) -> tuple:
     """(indexer scoring FLOPs, all FLOPs) of query rows at positions ``t`` (a numpy array; a row at position
     t attends over tokens 1..t), summed over the rows and the layers; ``:func:`indexer_share`` states them."""
-    import numpy as np
-
     t = np.asarray(t, dtype=np.float64)
     h, heads, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
     ih, idim, topk, window = cfg["index_n_heads"], cfg["index_head_dim"], cfg["index_topk"], cfg["window_size"]
@@ -158,8 +158,6 @@ def indexer_share(cfg: dict, tokens: int, kind: str) -> float:
     at most) and computes the head's logits (2 x hidden x vocab) for its last row only; a decode step is the
     one row t = L with its logits. Top-k selection, norms, the hyper-connection mixes and softmax are not
     counted."""
-    import numpy as np
-
     cfg = {**dsv4_checkpoints._COMMON, **cfg}
     if kind == "prefill":
         scoring, total = _row_flops(cfg, np.arange(1, tokens + 1))
@@ -215,8 +213,7 @@ def ratio_rows(prefill: dict, decode: dict, shares: dict | None = None) -> dict:
     interval, by the client and by the server, each with its bar's verdict; with ``shares``
     (:func:`analytic_shares`), the point's analytic indexer share beside it."""
     out: dict = {}
-    for kind, table, client, server in (("prefill", prefill, "visits_ms", "server_visits_ms"),
-                                        ("decode", decode, "visits_ms", "server_visits_ms")):
+    for kind, table in (("prefill", prefill), ("decode", decode)):
         for point, per_server in table.items():
             if OURS not in per_server:
                 continue
@@ -226,7 +223,7 @@ def ratio_rows(prefill: dict, decode: dict, shares: dict | None = None) -> dict:
                 row = {"bar": BARS[kind], "bar_of_the_issue": base == BAR_BASE}
                 if shares and f"{kind} {point}" in shares:
                     row["analytic_indexer_share"] = shares[f"{kind} {point}"]
-                for measure, key in (("client", client), ("server", server)):
+                for measure, key in (("client", "visits_ms"), ("server", "server_visits_ms")):
                     r = medians_ratio(per_server[OURS][key], per_server[base][key])
                     row[measure] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
                     row[f"{measure}_verdict"] = verdict(r, BARS[kind])
@@ -249,21 +246,6 @@ def bars(ratio_table: dict) -> dict:
 def _figure(values: list) -> dict:
     vals = [v for v in values if v is not None]
     return {"median": round(statistics.median(vals), 4) if vals else None, "spread": _spread(values)}
-
-
-def warm_every_shape(servers: dict, pts: dict, prefixes: dict, vocab: int) -> dict:
-    """Each timed shape once on every server, untimed (a cold JIT cache compiles on a shape's first request;
-    no timed visit may include that); kept in ms beside the shape's steady figures."""
-    first: dict = {name: {} for name in servers}
-    for name, url in servers.items():
-        for i, length in enumerate(pts["prefill"]):
-            first[name][f"prefill {length}"] = round(
-                traffic.generate(url, [traffic.prompt(40000 + i, length, vocab)], 1)[0] * 1e3, 1)
-        for i, (batch, depth) in enumerate(pts["decode"]):
-            ids = traffic.prompts(900000 + 10 * i, batch, depth, vocab, prefix=prefixes[depth])
-            first[name][f"decode {batch}x{depth}"] = round(
-                traffic.generate(url, ids, DECODE_SHORT + DECODE_STEPS)[0] * 1e3, 1)
-    return first
 
 
 def run(servers: dict, logs: dict | None = None, work_dir=None, out: dict | None = None) -> dict:
@@ -291,7 +273,7 @@ def run(servers: dict, logs: dict | None = None, work_dir=None, out: dict | None
 
     depths = sorted({d for _, d in pts["decode"]}, reverse=True)
     prefixes = {d: traffic.prompt(70000 + d, d - TAIL, vocab) for d in depths}
-    result["first_ms"] = warm_every_shape(servers, {"prefill": pts["prefill"], "decode": []}, prefixes, vocab)
+    result["first_ms"] = warm_every_shape(servers, prefixes, vocab, pts["prefill"], [])
     for i, length in enumerate(pts["prefill"]):
         client, server = {n: [] for n in names}, {n: [] for n in names}
         for rnd in range(pts["rounds"]):
@@ -310,7 +292,8 @@ def run(servers: dict, logs: dict | None = None, work_dir=None, out: dict | None
         for n in names:
             traffic.generate(servers[n], [prefixes[depth] + traffic.prompt(1, TAIL, vocab)], 1)
         at_depth = [(b, d) for b, d in pts["decode"] if d == depth]
-        for name_, shapes in warm_every_shape(servers, {"prefill": [], "decode": at_depth}, prefixes, vocab).items():
+        for name_, shapes in warm_every_shape(servers, prefixes, vocab, [], at_depth,
+                                              DECODE_SHORT + DECODE_STEPS).items():
             result["first_ms"][name_].update(shapes)
         for batch, _ in at_depth:
             point = f"{batch}x{depth}"

@@ -161,19 +161,21 @@ def cost_specs() -> list[ServerSpec]:
     ]
 
 
-def warm_every_shape(servers: dict, prefixes: dict, vocab: int) -> dict:
-    """Each timed shape once on every server, untimed by the cost figures: on a cold JIT cache the first request
+def warm_every_shape(servers: dict, prefixes: dict, vocab: int, prefill_points=None, decode_points=None,
+                     new_tokens: int | None = None) -> dict:
+    """Each timed shape once on every server (by default the cost set's points), untimed by the cost figures: on a cold JIT cache the first request
     of a shape compiles kernels for it (minutes on Flash's dimensions: on a cold cache an H200 server was still
     capturing its first decode batch size after 4 minutes), which no timed visit may include (a decode visit is
     the difference of two requests, so a compile in the first would come out as a negative step). Kept per shape
     in ms, so that each can be held against the same shape's steady state (scenario e on Flash's dimensions)."""
     first: dict = {name: {} for name in servers}
     for name, url in servers.items():
-        for i, length in enumerate(PREFILL_POINTS):
+        for i, length in enumerate(PREFILL_POINTS if prefill_points is None else prefill_points):
             first[name][f"prefill {length}"] = traffic.generate(url, [traffic.prompt(40000 + i, length, vocab)], 1)[0] * 1e3
-        for i, (batch, ctx) in enumerate(DECODE_POINTS):
+        for i, (batch, ctx) in enumerate(DECODE_POINTS if decode_points is None else decode_points):
             ids = traffic.prompts(900000 + 10 * i, batch, ctx, vocab, prefix=prefixes[ctx])
-            first[name][f"decode {batch}x{ctx}"] = traffic.generate(url, ids, DECODE_SHORT + DECODE_STEPS)[0] * 1e3
+            tokens = DECODE_SHORT + DECODE_STEPS if new_tokens is None else new_tokens
+            first[name][f"decode {batch}x{ctx}"] = traffic.generate(url, ids, tokens)[0] * 1e3
     return {name: {shape: round(ms, 1) for shape, ms in shapes.items()} for name, shapes in first.items()}
 
 

@@ -67,10 +67,10 @@ import torch
 
 from bench.indexer.cases import D, H, TOPK
 from dsv4_sm120.kernels._common import hadamard_matrix
+from dsv4_sm120.kernels.two_stage_logits import quantize_fp8_ref
 from harness import run_record
 
 F64 = torch.float64
-FP8_MAX = 448.0  # e4m3fn; upstream's kFP8E4M3Max
 WEIGHT_SCALE = D**-0.5 * H**-0.5  # upstream's Indexer.weight_scale: softmax_scale * n_heads^-0.5
 MARGINS = (0, 64, 128, 256, 512)
 ROPE_DIM = 64
@@ -169,10 +169,10 @@ def to_bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Upstream's per-row e4m3 quantization of fp32 rows of 128: (e4m3 values as fp32, fp32 scale per row)."""
-    scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-4) / FP8_MAX
-    q = (x * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-    return q, scale.squeeze(-1)
+    """Upstream's per-row e4m3 quantization of fp32 rows of 128 (the two-stage kernel's reference of it): (e4m3
+    values as fp32, fp32 scale per row)."""
+    q, scale = quantize_fp8_ref(x)
+    return q.float(), scale
 
 
 def logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, k_scale: torch.Tensor | None = None,
