@@ -164,21 +164,7 @@ MODELS = {
     "tiny": _TINY,
     # tiny's dimensions, six C4 layers: six index-K pages move with every 256 prefix tokens
     "hicache": {**_TINY, "num_hidden_layers": 8, "compress_ratios": [0, 4, 4, 4, 4, 4, 4, 128, 0]},
-    "flash12": {
-        "hidden_size": 4096,
-        "num_attention_heads": 64,
-        "q_lora_rank": 1024,
-        "o_lora_rank": 1024,
-        "o_groups": 8,
-        "num_hidden_layers": 12,
-        "compress_ratios": [0, 0] + [4, 128] * 5 + [0],
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 6,
-        "moe_intermediate_size": 2048,
-        "num_hash_layers": 3,
-        "n_hash_layers": 3,
-        "vocab_size": 129280,
-    },
+    "flash12": _flash_with(12, 8),
     "flash_share": _flash_with(*flash_share_counts()),
 }
 
