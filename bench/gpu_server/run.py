@@ -23,9 +23,9 @@ import tarfile
 import time
 from pathlib import Path
 
-from harness import dsv4_checkpoints, run_record
 from bench.gpu_server import abort_safety, agents, hicache, incident, longctx, pd, scenarios
 from bench.gpu_server.servers import Started, launch_line, log_tail, start, wait_healthy
+from harness import dsv4_checkpoints, run_record
 
 SETS = {"serve": (scenarios.serve_specs, scenarios.run_serve), "cost": (scenarios.cost_specs, scenarios.run_cost),
         "hicache": (hicache.specs, hicache.run), "longctx": (longctx.specs, longctx.run)}
@@ -187,7 +187,6 @@ def main(argv: list[str] | None = None) -> int:
         for s in started:
             s.proc.stop()
         record["wall_s"] = round(time.monotonic() - t0, 1)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         run_record.write(args.out, record)
         _keep_logs(log_dir, args.out.parent)
     print(json.dumps({k: record[k] for k in ("date", "device", "set", "wall_s") if k in record}))
