@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -69,15 +68,6 @@ def one_rank_gloo_group():
         return dist.new_group([0], backend="gloo")
 
 
-@dataclass
-class FakeReq:
-    """The fields of ``Req`` the hold list reads."""
-
-    rid: str
-    bootstrap_room: int
-    kv_allocated_len: int
-
-
 class _Slots:
     def clear_slot(self, idx):
         pass
@@ -118,9 +108,15 @@ class HoldList:
     def hold(self, session):
         """The decode aborted ``session`` mid-transfer: its request goes into the hold list, as upstream's
         failure path does for a room it notified."""
-        from sglang.srt.disaggregation.decode import DecodeRequest
+        from array import array
 
-        req = FakeReq(f"req-{session.room}", session.room, 256 * len(session.dst))
+        from sglang.srt.disaggregation.decode import DecodeRequest
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        tokens = 256 * len(session.dst)
+        req = Req(f"req-{session.room}", "", array("q", range(tokens)), SamplingParams(), bootstrap_room=session.room)
+        req.kv.kv_allocated_len = tokens
         decode_req = DecodeRequest(req=req, kv_receiver=session.receiver, metadata_buffer_index=0)
         self.queue._defer_release(decode_req)
         return decode_req

@@ -117,7 +117,7 @@ def _enter_hold_list(hold: Hold) -> None:
 
     now = time.monotonic()
     hold.until = now + hold.queue.deferred_kv_release_timeout
-    hold.tokens = hold.req.kv.kv_allocated_len - hold.req.kv.cache_protected_len
+    hold.tokens = decode_hold.kv_tokens_held(hold.req)
     hold.queue._deferred_releases.append((DecodeRequest(req=hold.req, kv_receiver=hold), now, math.inf, -1, 0))
     _queues.add(hold.queue)
     logger.warning("PD late write: request %s (room %s) failed; its %d KV tokens stay out of the allocator for at "

@@ -52,9 +52,9 @@ class Quarantined:
     prefill_lost: bool = False
 
 
-def _tokens(decode_req) -> int:
-    req = decode_req.req
-    return int(getattr(req, "kv_allocated_len", 0) or len(getattr(req, "origin_input_ids", ()) or ()))
+def kv_tokens_held(req) -> int:
+    """The KV tokens ``req`` holds in the decode's pool (its allocation past what the prefix cache protects)."""
+    return req.kv.kv_allocated_len - req.kv.cache_protected_len
 
 
 def _prefill_lost_since(decode_req, since: float) -> bool:
@@ -103,7 +103,7 @@ def hold_until_drained(original, queue):
 
 
 def _quarantine(decode_req, now: float, waited_s: float) -> Quarantined:
-    q = Quarantined(decode_req.req.bootstrap_room, _tokens(decode_req), now)
+    q = Quarantined(decode_req.req.bootstrap_room, kv_tokens_held(decode_req.req), now)
     metrics.inc("pd_quarantines_total")
     logger.warning(
         "dsv4-sm120: room %s (request %s) aborted %.0f s ago has no drain acknowledgement from prefill %s; its %d "
