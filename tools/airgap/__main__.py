@@ -49,6 +49,8 @@ def parser() -> argparse.ArgumentParser:
     pk.add_argument("--no-tilelang", dest="tilelang", action="store_false", help="leave out TileLang and z3")
     pk.add_argument("--with-pd", dest="pd", action="store_true",
                     help="also carry NIXL (CUDA 13) and the PD router, for a prefill/decode pair")
+    pk.add_argument("--with-flashinfer", dest="flashinfer", action="store_true",
+                    help="also carry FlashInfer (the pin's version), for speculative decoding sampled at temperature > 0")
     pk.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "dsv4-gpu-bundle",
                     help="fetched wheels and compressed archives, reused by later packs")
     pk.add_argument("--xz-level", type=int, default=9, choices=range(0, 10))
@@ -89,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         from tools.airgap import pack
 
         manifest = pack.pack(args.venv, args.out, args.part_mb, args.arch, args.cache, args.xz_level, args.threads,
-                             triton=args.triton, tilelang=args.tilelang, pd=args.pd)
+                             triton=args.triton, tilelang=args.tilelang, pd=args.pd,
+                             flashinfer=args.flashinfer)
         pack.report(manifest, args.out)
         return 0
     if args.command == "unpack":

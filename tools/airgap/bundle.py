@@ -186,7 +186,7 @@ def finish(stage: Path, cache_root: Path | None = None, host_site: Path | None =
     checkpoints = dsv4_checkpoints.write_all(root / "models")
     cache_root = (cache_root or stage / "cache").resolve()
     pd = set_up_pd(manifest.get("pd") or {}, site, root / "bin")
-    env = write_env(root, cache_root, manifest["bundle"], pd.get("library_path", []))
+    env = write_env(root, cache_root, manifest["bundle"], pd.get("library_path", []), pth_paths(site))
     info = {
         "bundle": manifest["bundle"],
         "packed": manifest["created"],
@@ -208,6 +208,7 @@ def finish(stage: Path, cache_root: Path | None = None, host_site: Path | None =
         "models": {p.name: str(p) for p in checkpoints},
         "left_to_image": {n: e["reason"] for n, e in manifest["left_to_image"].items()},
         "pd": pd,
+        "flashinfer": manifest.get("flashinfer") or {"bundled": False, "reason": "packed before --with-flashinfer"},
     }
     (root / "bundle.json").write_text(json.dumps(info, indent=1) + "\n")
     print(f"bundle {manifest['bundle']} set up in {root}: torch {info['versions'].get('torch')}, "
@@ -371,7 +372,23 @@ def installed(site: Path) -> dict[str, str]:
     return found
 
 
-def write_env(root: Path, cache_root: Path, bundle_id: str, library_path: list[str] = ()) -> Path:
+def pth_paths(site: Path) -> list[str]:
+    """The folders the ``.pth`` files in ``site`` add to ``sys.path`` (the CuTe DSL's adds its packages'
+    folder). Python reads ``.pth`` files only in site directories, not in PYTHONPATH's, so env.sh puts
+    these on PYTHONPATH itself; they are found as a site directory would find them, in a child Python."""
+    if not any(site.glob("*.pth")):
+        return []
+    probe = ("import json, site, sys; before = list(sys.path); site.addsitedir(sys.argv[1]); "
+             "print(json.dumps([p for p in sys.path if p not in before and p != sys.argv[1]]))")
+    done = subprocess.run([sys.executable, "-S", "-c", probe, str(site)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(site)})
+    if done.returncode != 0:
+        raise RuntimeError(f"reading the .pth files of {site} failed: {done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def write_env(root: Path, cache_root: Path, bundle_id: str, library_path: list[str] = (),
+              python_paths: list[str] = ()) -> Path:
     q = shlex.quote
     loader = [f'export LD_LIBRARY_PATH={q(":".join(library_path))}"${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"',
               ] if library_path else []
@@ -379,7 +396,7 @@ def write_env(root: Path, cache_root: Path, bundle_id: str, library_path: list[s
         f"# bundle {bundle_id}, set up by `python -m tools.airgap unpack --finish`: source it before serving.",
         f"export DSV4_BUNDLE_ROOT={q(str(root))}",
         f"export DSV4_BUNDLE_PYTHON={q(sys.executable)}",
-        f'export PYTHONPATH={q(str(root / "site"))}"${{PYTHONPATH:+:$PYTHONPATH}}"',
+        f'export PYTHONPATH={q(":".join([str(root / "site"), *python_paths]))}"${{PYTHONPATH:+:$PYTHONPATH}}"',
         f'export PATH={q(str(root / "bin"))}":$PATH"',
         *(["# NIXL's UCX CUDA modules load libcudart.so.13 by name (the host's, linked under site/nvidia)"] + loader
           if loader else []),

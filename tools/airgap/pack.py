@@ -154,13 +154,16 @@ class Selection:
     dropped: dict[str, str]
     trimmed: dict[str, list[dict]]
     pd: list[str] = field(default_factory=list)  # carried only for --with-pd (their own archives)
+    flashinfer: list[str] = field(default_factory=list)  # carried only for --with-flashinfer (their own archives)
 
 
 def select(venv: Path, archs: tuple[int, ...], cache: Path, triton: bool, tilelang: bool,
-           pd: bool = False) -> tuple[Selection, str]:
+           pd: bool = False, flashinfer: bool = False) -> tuple[Selection, str]:
     """Resolve the pin in ``venv`` (fetching wheels it lacks) and apply the policy; returns the python tag too.
 
     With ``pd``, NIXL and the PD router join the roots; what only they reach is listed in ``Selection.pd``.
+    With ``flashinfer``, FlashInfer and its own requirements leave the dropped list; what only they reach is
+    listed in ``Selection.flashinfer``.
     """
     sites = sorted(venv.glob("lib/python3.*/site-packages"))
     if len(sites) != 1:
@@ -176,6 +179,10 @@ def select(venv: Path, archs: tuple[int, ...], cache: Path, triton: bool, tilela
         dropped.update(policy.skip_tilelang())
     if pd:
         dropped.update(policy.pd_dropped())
+    skip_without_flashinfer = set(image) | set(dropped)
+    if flashinfer:
+        dropped = {n: why for n, why in dropped.items() if n not in policy.FLASHINFER}
+        dropped.update(policy.flashinfer_dropped())
     skip = set(image) | set(dropped)
     base = [policy.ROOT_REQUIREMENT, *policy.ALSO]
     roots = base + (list(policy.PD_REQUIREMENTS) if pd else [])
@@ -211,7 +218,9 @@ def select(venv: Path, archs: tuple[int, ...], cache: Path, triton: bool, tilela
                 for n, why in sorted(reasons.items()) if n in reached or n in available}
 
     only_pd = sorted(set(reached) - set(resolve(base, available, python, skip)[0]) - skip) if pd else []
-    selection = Selection(carried, decided(image), decided(dropped), trimmed, only_pd)
+    carried_without = set(resolve(roots, available, python, skip_without_flashinfer)[0]) - skip_without_flashinfer
+    only_flashinfer = sorted(set(carried) - carried_without) if flashinfer else []
+    selection = Selection(carried, decided(image), decided(dropped), trimmed, only_pd, only_flashinfer)
     return selection, "cp" + python.replace(".", "")
 
 
@@ -273,14 +282,18 @@ class Archive:
 
 
 def plan_archives(selection: Selection, wheel: Path) -> list[Archive]:
-    """The archives, in part order: the serving stack, then --with-pd's, then the project (changed most often).
+    """The archives, in part order: the serving stack, then --with-pd's, then --with-flashinfer's, then the
+    project (changed most often).
 
-    --with-pd's distributions never join the serving stack's archives, so that those stay the same bytes
+    An option's distributions never join the serving stack's archives, so that those stay the same bytes
     with or without it: the same cached archives, and the same chunks on a GPU host's stage.
     """
-    serving = {n: d for n, d in selection.carried.items() if n not in selection.pd}
-    pd = {n: d for n, d in selection.carried.items() if n in selection.pd}
-    archives = _group(serving, "site-packages") + (_group(pd, "pd") if pd else [])
+    optional = {"pd": set(selection.pd), "flashinfer": set(selection.flashinfer)}
+    serving = {n: d for n, d in selection.carried.items() if not any(n in names for names in optional.values())}
+    archives = _group(serving, "site-packages")
+    for group, names in optional.items():
+        if names:
+            archives += _group({n: d for n, d in selection.carried.items() if n in names}, group)
     archives.append(Archive("project", [(f"wheels/{wheel.name}", wheel)], [wheel.name]))
     return archives
 
@@ -382,9 +395,9 @@ def _git_commit() -> dict:
 
 
 def pack(venv: Path, out: Path, part_mb: float, archs: tuple[int, ...], cache: Path, level: int, threads: int,
-         triton: bool = True, tilelang: bool = True, pd: bool = False) -> dict:
+         triton: bool = True, tilelang: bool = True, pd: bool = False, flashinfer: bool = False) -> dict:
     cache.mkdir(parents=True, exist_ok=True)
-    selection, python_tag = select(venv, archs, cache, triton, tilelang, pd)
+    selection, python_tag = select(venv, archs, cache, triton, tilelang, pd, flashinfer)
     strip = shutil.which("strip")
     work = Path(tempfile.mkdtemp(prefix="dsv4-wheel-"))
     try:
@@ -445,7 +458,16 @@ def _manifest(selection: Selection, python_tag: str, archs, wheel: Path, content
         "left_to_image": selection.image,
         "dropped": selection.dropped,
         "pd": pd_record(selection),
+        "flashinfer": flashinfer_record(selection),
     }
+
+
+def flashinfer_record(selection: Selection) -> dict:
+    """Whether the bundle carries FlashInfer, and which of its distributions."""
+    if not selection.flashinfer:
+        return {"bundled": False, "reason": "packed without --with-flashinfer"}
+    return {"bundled": True, "reason": "--with-flashinfer: " + policy.FLASHINFER_REASON,
+            "distributions": {selection.carried[n].name: selection.carried[n].version for n in selection.flashinfer}}
 
 
 def pd_record(selection: Selection) -> dict:

@@ -164,6 +164,23 @@ BASE_LIBRARIES = ("libc.so.6", "libm.so.6", "libdl.so.2", "librt.so.1", "libpthr
                   "libstdc++.so.6", "ld-linux-x86-64.so.2")
 
 
+# --with-flashinfer: FlashInfer (the pin's version) and what only it needs, taken off ``DROPPED``. sglang's
+# speculative sampling at temperature > 0 builds a JIT kernel that includes FlashInfer's headers, found by
+# importing nothing (``sglang/kernels/jit/utils/deps.py``); with FlashInfer importable the server's sampler also
+# takes FlashInfer's backend, as on a host where pip installed the pin.
+FLASHINFER = ("flashinfer-python", "nvidia-cudnn-frontend", "cuda-tile", "nccl4py", "nccl-extensions",
+              "nvidia-cutlass-dsl")
+FLASHINFER_REASON = ("speculative decoding sampled at temperature > 0 JIT-builds a kernel on FlashInfer's headers "
+                     "(sglang/kernels/jit/utils/deps.py); the pin's FlashInfer with the CuTe DSL and cuDNN frontend "
+                     "its import loads")
+
+
+def flashinfer_dropped() -> dict[str, str]:
+    """What FlashInfer's requirements reach but the GPU host never loads."""
+    return {"nvidia-cutlass-dsl-libs-cu12": "the CuTe DSL runtime for CUDA 12; the pin's torch 2.14.1 is a CUDA 13.0 "
+                                            "build, and the cu13 runtime is carried"}
+
+
 def pd_dropped() -> dict[str, str]:
     """What nixl 1.5.1 requires but the GPU host never loads."""
     return {"nixl-cu12": "NIXL built for CUDA 12; the meta package imports nixl_cu13 because the pin's torch "

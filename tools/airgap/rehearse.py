@@ -46,6 +46,9 @@ MODULES = [
 # A bundle packed --with-pd: what the prefill/decode pair and the router import.
 PD_MODULES = ["nixl._api", "sglang.srt.disaggregation.nixl.conn", "sglang.srt.disaggregation.prefill",
               "sglang.srt.disaggregation.decode", "sglang_router", "sglang_router.launch_router"]
+# A bundle packed --with-flashinfer: FlashInfer's sampler and the CuTe DSL its import loads (found through the
+# .pth folder env.sh puts on PYTHONPATH).
+FLASHINFER_MODULES = ["flashinfer", "flashinfer.sampling", "cutlass"]
 
 
 def make_image(venv: Path, image: Path, manifest: dict) -> list[str]:
@@ -111,7 +114,9 @@ def main(stage: Path, image: Path, from_venv: Path | None, python: str, parts: P
     script = (f'. {root / "env.sh"} && export PYTHONPATH="$PYTHONPATH:{image}" '
               f'LD_LIBRARY_PATH={stub or ""} && exec "$0" -S "$@"')
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "LD_LIBRARY", "DSV4_", "SGLANG_"))}
-    modules = ["--pd", *MODULES, *PD_MODULES] if (manifest.get("pd") or {}).get("bundled") else MODULES
+    modules = ["--pd", *MODULES, *PD_MODULES] if (manifest.get("pd") or {}).get("bundled") else list(MODULES)
+    if (manifest.get("flashinfer") or {}).get("bundled"):
+        modules += FLASHINFER_MODULES
     with tempfile.TemporaryDirectory() as home:
         env["HOME"] = home
         proc = subprocess.run(["bash", "-c", script, python, str(probe), str(arch), *modules],

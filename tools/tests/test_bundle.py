@@ -71,6 +71,23 @@ def _pd_dists(site: Path) -> None:
     (info / "RECORD").write_text((info / "RECORD").read_text() + f"{info.name}/entry_points.txt,,\n")
 
 
+def _flashinfer_dists(site: Path) -> None:
+    """FlashInfer as the pin installs it: the CuTe DSL in per-CUDA runtimes, its packages found through a .pth."""
+    _dist(site, "flashinfer-python", "0.7.2", {"flashinfer/__init__.py": b"", "flashinfer/data/include/x.cuh": b""},
+          requires=["nvidia-cudnn-frontend>=1.31.0", "nvidia-cutlass-dsl>=4.6.2a0", "cuda-tile>=1.4.0", "torch"])
+    _dist(site, "nvidia-cudnn-frontend", "1.32.0", {"cudnn/__init__.py": b""}, requires=["nvidia-cutlass-dsl[cu13]>=4.8.0"])
+    _dist(site, "cuda-tile", "1.7.0", {"cuda/tile/__init__.py": b""})
+    pth = (b"import sys, os, nvidia_cutlass_dsl; "
+           b"sys.path.insert(0, os.path.join(nvidia_cutlass_dsl.__path__[0], 'dsl_packages'))\n")
+    _dist(site, "nvidia-cutlass-dsl", "4.8.0", {"nvidia_cutlass_dsl_packages.pth": pth},
+          requires=["nvidia-cutlass-dsl-libs-base==4.8.0", "nvidia-cutlass-dsl-libs-cu12==4.8.0",
+                    'nvidia-cutlass-dsl-libs-cu13==4.8.0; extra == "cu13"'])
+    _dist(site, "nvidia-cutlass-dsl-libs-base", "4.8.0",
+          {"nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py": b"RUNTIME = 'cu13'\n"})
+    for cuda in ("cu12", "cu13"):
+        _dist(site, f"nvidia-cutlass-dsl-libs-{cuda}", "4.8.0", {f"nvidia_cutlass_dsl/{cuda}/lib/runtime.so": b"x"})
+
+
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> Path:
     """A venv shaped like the pin's: a root 'sglang', a multi-MB binary, NCCL's library folder."""
@@ -98,6 +115,7 @@ def venv(tmp_path_factory) -> Path:
     for name in ("dill", "jsonschema"):  # the server imports these itself (policy.ALSO)
         _dist(site, name, "1.0", {f"{name}/__init__.py": b""})
     _pd_dists(site)
+    _flashinfer_dists(site)
     return root
 
 
@@ -116,6 +134,11 @@ def packed(venv, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def packed_pd(venv, tmp_path_factory) -> Path:
     return _pack(venv, tmp_path_factory.mktemp("bundle-pd"), tmp_path_factory.mktemp("cache-pd"), "--with-pd")
+
+
+@pytest.fixture(scope="module")
+def packed_flashinfer(venv, tmp_path_factory) -> Path:
+    return _pack(venv, tmp_path_factory.mktemp("bundle-fi"), tmp_path_factory.mktemp("cache-fi"), "--with-flashinfer")
 
 
 def _manifest(out: Path) -> dict:
@@ -322,3 +345,30 @@ def test_a_python_that_cannot_build_the_wheel_is_told_which_and_what_it_needs(mo
         assert sys.executable in problem and "setuptools >= 70.1" in problem and ".venv/bin/python -m tools.airgap" in problem
         with pytest.raises(SystemExit, match="setuptools >= 70.1"):
             pack.build_project_wheel(Path("/nonexistent"))
+
+
+def test_with_flashinfer_carries_it_in_archives_of_their_own_and_puts_the_cute_dsl_on_the_path(packed, packed_flashinfer,
+                                                                                               tmp_path):
+    manifest, plain = _manifest(packed_flashinfer), _manifest(packed)
+    carried = {"flashinfer-python", "nvidia-cudnn-frontend", "cuda-tile", "nvidia-cutlass-dsl",
+               "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-cu13"}
+    assert plain["flashinfer"]["bundled"] is False and "flashinfer-python" in plain["dropped"]
+    assert not carried & set(plain["bundled"])
+    assert manifest["flashinfer"]["bundled"] and set(manifest["flashinfer"]["distributions"]) == carried
+    assert {manifest["bundled"][n]["archive"] for n in carried} == {"flashinfer"}
+    assert "nvidia-cutlass-dsl-libs-cu12" in manifest["dropped"] and "flashinfer-python" not in manifest["dropped"]
+    for name in set(plain["archives"]) - {"project"}:  # the serving stack's archives stay the same bytes
+        assert manifest["archives"][name]["sha256"] == plain["archives"][name]["sha256"], name
+    stage = tmp_path / "stage"
+    for part in sorted(packed_flashinfer.glob("part*")):
+        assert _unpack("--part", part, "--stage", stage).returncode == 0
+    done = _unpack("--finish", "--stage", stage, "--host-site", tmp_path / "no-host-site")
+    assert done.returncode == 0, done.stderr
+    root = stage / "root"
+    assert not (root / "site" / "nvidia_cutlass_dsl" / "cu12").exists()
+    assert json.loads((root / "bundle.json").read_text())["flashinfer"]["bundled"]
+    # python -S: no site directory is read, as under PYTHONPATH; the .pth's folder comes from env.sh
+    shell = subprocess.run(["bash", "-c", f". {root / 'env.sh'} && exec {sys.executable} -S -c "
+                            "'import cutlass, flashinfer; print(cutlass.RUNTIME)'"],
+                           capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    assert shell.stdout.split() == ["cu13"], shell.stderr
