@@ -34,6 +34,13 @@ SWITCHES: tuple[Switch, ...] = (
         "C4 indexer key dtype under --model-impl dsv4; fp8 is upstream's layout byte for byte.",
     ),
     Switch(
+        "DSV4_SM120_INDEX_K_SELECT",
+        "exact",
+        ("exact", "two_stage"),
+        "How a long prefill chunk selects bf16 index keys: exact scores every key in bf16; two_stage scans every key "
+        "at fp8 rate and re-scores the best 1,024 per row in bf16. Decode steps always score exactly.",
+    ),
+    Switch(
         "DSV4_SM120_INDEX_K_CHECKSUM",
         "0",
         ("0", "1"),
@@ -85,6 +92,7 @@ def raw(env: str) -> str:
 class Settings:
     allow_pin_mismatch: bool
     index_k_dtype: str
+    index_k_select: str
     index_k_checksum: bool
     nixl_hardening: bool
     collective_guard: bool
@@ -95,6 +103,7 @@ def load() -> Settings:
     return Settings(
         allow_pin_mismatch=raw("DSV4_SM120_ALLOW_PIN_MISMATCH") == "1",
         index_k_dtype=raw("DSV4_SM120_INDEX_K_DTYPE"),
+        index_k_select=raw("DSV4_SM120_INDEX_K_SELECT"),
         index_k_checksum=raw("DSV4_SM120_INDEX_K_CHECKSUM") == "1",
         nixl_hardening=raw("DSV4_SM120_NIXL_HARDENING") == "1",
         collective_guard=raw("DSV4_SM120_COLLECTIVE_GUARD") == "1",

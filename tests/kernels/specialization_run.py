@@ -20,7 +20,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import compute_cache_key, create_function_from_signature
 
-from dsv4_sm120.kernels import index_k_store, index_query, launch, mqa_logits, page_checksum, query_store, warmup
+from dsv4_sm120.kernels import (index_k_store, index_query, launch, mqa_logits, page_checksum, query_store,
+                                two_stage_logits, warmup)
 
 HEADS, D, PAGE = 64, 128, 64
 CAPTURE_KEYS = 262144  # the decode width the bench captures at (a 1M-token context, compressed by 4)
@@ -32,7 +33,7 @@ def record(kernel, grid, args, constexprs, *, num_warps, num_stages):
     RECORDS.append((kernel, launch.all_args(kernel, args, constexprs), num_warps, num_stages))
 
 
-launch.launch = page_checksum.launch = record  # the wrappers' Launch objects launch through launch.launch
+launch.launch = page_checksum.launch = two_stage_logits.launch = record  # Launch objects launch through launch.launch
 
 
 def meta(*shape, dtype):
@@ -57,10 +58,12 @@ def keys_of(records) -> tuple[dict, list]:
     return out, launches
 
 
-def model_step(tokens: int, max_seq_len: int, table_pages: int, chunk: int, decode: bool, split: bool = False):
+def model_step(tokens: int, max_seq_len: int, table_pages: int, chunk: int, decode: bool, split: bool = False,
+               two_stage: bool = False):
     """The indexer's launches for one step as the model makes them (dsv4_sm120/model/deepseek_v4.py): store the
     step's compressed keys and rotate the queries (one launch on one stream; two under upstream's multi-stream
-    split, ``split``), score them chunk by chunk against the pool."""
+    split, ``split``), score them chunk by chunk against the pool (``two_stage``: in two stages where the model
+    does, ``DSV4_SM120_INDEX_K_SELECT=two_stage``)."""
     pages = meta(64, PAGE, D, dtype=torch.bfloat16)
     freqs = meta(1 << 20, 32, dtype=torch.complex64)
     buf = meta(tokens + 7, dtype=torch.int64)  # metadata kept in longer buffers: the step's rows are a slice
@@ -79,7 +82,10 @@ def model_step(tokens: int, max_seq_len: int, table_pages: int, chunk: int, deco
     table = meta(tokens, table_pages, dtype=torch.int32)
     for start in range(0, tokens, chunk):
         r = slice(start, min(tokens, start + chunk))
-        mqa_logits.bf16_paged_mqa_logits(q[r], pages, w[r], seq_lens[r], table[r], max_seq_len)
+        in_two_stages = (two_stage and r.stop - start >= mqa_logits.PREFILL_ROWS  # the model's two_stage_chunk
+                         and max_seq_len > two_stage_logits.TOPK + two_stage_logits.MARGIN)
+        score = two_stage_logits.two_stage_paged_mqa_logits if in_two_stages else mqa_logits.bf16_paged_mqa_logits
+        score(q[r], pages, w[r], seq_lens[r], table[r], max_seq_len)
 
 
 def sweep_keys() -> dict:
@@ -95,6 +101,10 @@ def sweep_keys() -> dict:
                 for chunk in sorted({rows, 1000, 4096}):
                     model_step(rows, width, pages, chunk, decode=False)
         model_step(rows, 8191, 129, rows, decode=False, split=True)  # an extend captured with the split
+    for rows in (1024, 1025, 4096, 5000):  # prefill chunks that select in two stages (DSV4_SM120_INDEX_K_SELECT)
+        for width in (1025, 8191, 40001):
+            for chunk in sorted({rows, 4096}):
+                model_step(rows, width, -(-width // PAGE), chunk, decode=False, two_stage=True)
     page_rows = meta(64, PAGE * D * 2, dtype=torch.uint8)
     for n in (1, 2, 17, 64):  # the page checksum (HiCache / PD integrity) on any number of pages
         page_checksum.page_checksum_triton(page_rows[:n])
@@ -103,7 +113,7 @@ def sweep_keys() -> dict:
 
 def warmup_keys() -> tuple[dict, list]:
     RECORDS.clear()
-    for _, call in warmup.serving_calls(torch.device("meta"), heads=HEADS, checksum=True):
+    for _, call in warmup.serving_calls(torch.device("meta"), heads=HEADS, checksum=True, two_stage=True):
         call()
     return keys_of(RECORDS)
 

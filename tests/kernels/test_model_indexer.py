@@ -197,6 +197,40 @@ def test_bf16_indexer_selects_the_reference_top512(kv, kern, env_torch_logits, c
         assert (got[k:] == -1).all()
 
 
+def test_two_stage_switch_selects_in_two_stages_where_a_chunk_is_a_prefill(kv, kern, env_torch_logits, monkeypatch):
+    """``DSV4_SM120_INDEX_K_SELECT=two_stage``: a chunk of prefill shape over more keys than the re-score takes
+    selects what ``two_stage_topk`` selects, through upstream's transform. Near-tied keys (stage 1 cannot rank
+    them), so that the single-stage selection differs and the test shows which path ran. The prefill shape
+    starts at 2 rows here (PREFILL_ROWS is 1024: too many rows for the interpreter)."""
+    from dsv4_sm120.model import deepseek_v4
+
+    c = _decode_case(kv, 3)
+    gen = torch.Generator().manual_seed(4)
+    lens, table = [1300, 300], torch.zeros(2, 21, dtype=torch.int32)
+    table[0], table[1, :5] = torch.arange(21), torch.arange(21, 26)
+    base = torch.randn(D, generator=gen)
+    for r, n in enumerate(lens):
+        pos = torch.arange(n)
+        slots = table[r].long()[pos // PAGE] * PAGE + pos % PAGE
+        kv.set_index_k_bf16(C4_LAYER, slots, (base + 0.03 * torch.randn(n, D, generator=gen)).to(torch.bfloat16))
+    c.im.page_table, c.im.compressed_seq_lens = table, torch.tensor(lens, dtype=torch.int32)
+    monkeypatch.setattr(deepseek_v4, "PREFILL_ROWS", 2)
+    selections = {}
+    for two_stage in (True, False):
+        c.ind.two_stage = two_stage
+        _forward(c, skip_compressor=True)
+        selections[two_stage] = [set(row[row >= 0].tolist()) for row in c.out_pages]
+    w, _ = c.ind.weights_proj(c.x)
+    q, wq = kern.index_query.index_query_bf16_ref(c.ind.wq_b(c.q_lora)[0].view(2, HEADS, D), w, c.ind.weight_scale,
+                                                  c.ind.freqs_cis, c.core.positions)
+    sel = kern.two_stage_logits.two_stage_topk(q, c.pages, wq, c.im.compressed_seq_lens, table, 1300)
+    want = [set((table[r].long()[row[row >= 0].long() // PAGE] * PAGE + row[row >= 0] % PAGE).tolist())
+            for r, row in enumerate(sel)]
+    assert selections[True] == want
+    assert selections[False][0] != want[0], "stage 1 ranked these keys as bf16 does: the case shows nothing"
+    assert selections[False][1] == want[1]  # 300 keys: all re-scored, as the single stage scores them
+
+
 @pytest.mark.parametrize("chunk_rows", [None, 1])
 def test_the_layers_of_a_forward_share_its_topk_inputs(kv, kern, env_torch_logits, monkeypatch, chunk_rows):
     # the C4 layers of a forward share the metadata cut to their rows, the query's and the logits'

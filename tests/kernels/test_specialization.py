@@ -25,12 +25,12 @@ def keys() -> dict:
 
 
 def test_warmup_compiles_every_variant_the_sweep_meets(keys):
-    from dsv4_sm120.kernels.warmup import SERVING_VARIANTS
+    from dsv4_sm120.kernels.warmup import SERVING_VARIANTS, TWO_STAGE_VARIANTS
 
     missing = sorted(set(keys["sweep"]) - set(keys["warmup"]))
     assert not missing, f"request shapes meet specializations the warmup does not compile: {missing}"
     assert set(keys["sweep"]) == set(keys["warmup"]), "the warmup compiles variants no request meets"
-    assert len(keys["warmup"]) == SERVING_VARIANTS + 1  # with the page checksum
+    assert len(keys["warmup"]) == SERVING_VARIANTS + 1 + TWO_STAGE_VARIANTS  # with the page checksum and two stages
 
 
 def test_specialization_key_is_tritons(keys):

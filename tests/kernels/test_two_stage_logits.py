@@ -166,6 +166,27 @@ def test_a_margin_of_0_misses_bf16s_selection_where_fp8_cannot_rank_the_keys(ker
     assert max(overlap) < 0.9, overlap
 
 
+@pytest.mark.parametrize("margin", [0, 8, 1000])
+def test_serving_logits_lead_upstreams_transform_to_the_two_stage_selection(kern, margin):
+    """What serving hands upstream's top-k transform: candidates at their bf16 scores, every other key -inf, so
+    the transform's best top-k (torch.topk here, as upstream's torch backend) is :func:`two_stage_topk`'s
+    selection. Near-tied keys, where stage 1's scores of the keys left out would outrank re-scored
+    candidates if they stayed in the logits."""
+    ts = kern.two_stage_logits
+    q, w, pages, sl, pt = _near_tied_case(_gen(6), lens=(320, 256, 200, 30))
+    width = 288
+    out = torch.full((len(sl), width), 7.0)  # the forward's buffer, holding another layer's logits
+    logits = ts.two_stage_paged_mqa_logits(q, pages, w, sl, pt, width, out=out, topk=TOPK, margin=margin)
+    assert logits is out
+    live = sl.clamp(max=width).tolist()
+    got = [sorted(torch.topk(logits[r, :n], min(TOPK, n)).indices.tolist()) for r, n in enumerate(live)]
+    assert got == _as_lists(ts.two_stage_topk(q, pages, w, sl, pt, width, topk=TOPK, margin=margin))
+    finite = torch.isfinite(logits).sum(1).tolist()
+    assert finite == [min(n, TOPK + margin) for n in live]  # the candidates' scores only
+    ref = kern.mqa_logits.paged_mqa_logits_ref(q, pages, w, sl, pt, width, dtype=torch.float64)
+    assert torch.allclose(logits[3, :30], ref[3, :30].float(), rtol=1e-3, atol=1e-3)  # a short row: all exact
+
+
 def test_two_stage_output_contract(kern):
     """int32 [rows, topk]: ascending live key indices, -1 after; a row of at most topk keys gets 0 .. n - 1 (as
     upstream's transform), an empty row only -1, a row longer than the width only keys under the width."""

@@ -266,7 +266,7 @@ MUTATIONS: tuple[Mutation, ...] = (
          "    h = tl.zeros((128, 128), tl.float32) + 0.08838834764831845\n"
          "    return tl.dot(x, h, input_precision=\"tf32x3\") * 0.0 + x * 0.08838834764831845"),),
       ("tests/kernels/test_aot_compile.py::test_the_key_store_and_query_rotate_by_adds_not_a_matrix_product",)),
-    # --- the two-stage indexer (kernel level, not yet served) ------------------------------------------
+    # --- the two-stage indexer ------------------------------------------------------------------------
     M("two-stage-selects-by-stage-1", "two-stage indexer: stage 2 re-scores the candidates in bf16 and selects by that",
       (E(TWO_STAGE, "    scores = rescore_candidates(q, pages, weights, seq_lens, page_table, cand, max_seq_len)\n",
          "    scores = stage1.gather(1, cand.long().clamp_min(0)).masked_fill(cand < 0, float(\"-inf\"))\n"),),
@@ -276,6 +276,16 @@ MUTATIONS: tuple[Mutation, ...] = (
       (E(TWO_STAGE, "    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4),",
          "    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1) * 0.0 + tl.max(tl.abs(x)), 1e-4),"),),
       ("tests/kernels/test_two_stage_logits.py::test_stage1_matches_its_fp8_reference[1]",)),
+    M("two-stage-serving-keeps-stage-1-scores",
+      "two-stage serving: only the re-scored candidates reach upstream's transform (every other key at -inf)",
+      (E(TWO_STAGE, "    out.fill_(float(\"-inf\"))\n", ""),),
+      ("tests/kernels/test_two_stage_logits.py::"
+       "test_serving_logits_lead_upstreams_transform_to_the_two_stage_selection[0]",)),
+    M("two-stage-switch-ignored", "DSV4_SM120_INDEX_K_SELECT=two_stage: long prefill chunks select in two stages",
+      (E("src/dsv4_sm120/model/deepseek_v4.py",
+         "    two_stage = indexer.two_stage and two_stage_chunk(min(rows, step), inputs.width)\n",
+         "    two_stage = False\n"),),
+      ("tests/kernels/test_model_indexer.py::test_two_stage_switch_selects_in_two_stages_where_a_chunk_is_a_prefill",)),
     M("admission-reads-fresh-slots-with-nothing-quarantined",
       "fix 2: with nothing quarantined the scheduler hooks read no tensor (no wait for the forward in flight)",
       (E(INDEX_K + "request_fail.py", "    if QUARANTINE.pages and batch.out_cache_loc is not None:",

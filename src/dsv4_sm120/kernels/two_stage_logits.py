@@ -266,10 +266,12 @@ def _live_lengths(seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
     return seq_lens.reshape(-1).long().clamp(max=max_seq_len)
 
 
-def _candidates(stage1: torch.Tensor, live: torch.Tensor, n_cand: int) -> torch.Tensor:
-    """Each row's best ``n_cand`` live keys by stage 1, int32 [rows, n_cand], -1 where a row has fewer."""
+def _candidates(stage1: torch.Tensor, live: torch.Tensor, n_cand: int, *, in_place: bool = False) -> torch.Tensor:
+    """Each row's best ``n_cand`` live keys by stage 1, int32 [rows, n_cand], -1 where a row has fewer;
+    ``in_place``: the unwritten columns of ``stage1`` itself are set to -inf (no copy of the logits)."""
     pos = torch.arange(stage1.shape[1], device=stage1.device)
-    masked = stage1.masked_fill(pos[None, :] >= live[:, None], float("-inf"))  # unwritten columns
+    past = pos[None, :] >= live[:, None]  # unwritten columns
+    masked = stage1.masked_fill_(past, float("-inf")) if in_place else stage1.masked_fill(past, float("-inf"))
     cand = torch.topk(masked, n_cand, dim=1, sorted=False).indices
     return torch.where(cand < live[:, None], cand, -1).to(torch.int32)
 
@@ -306,6 +308,30 @@ def two_stage_topk(q, pages, weights, seq_lens, page_table, max_seq_len, *, topk
     cand = _candidates(stage1, _live_lengths(seq_lens, max_seq_len), min(topk + margin, max_seq_len))
     scores = rescore_candidates(q, pages, weights, seq_lens, page_table, cand, max_seq_len)
     return _selection(cand, scores, topk)
+
+
+def two_stage_paged_mqa_logits(q, pages, weights, seq_lens, page_table, max_seq_len, *, out=None,
+                               topk: int = TOPK, margin: int = MARGIN) -> torch.Tensor:
+    """The two-stage selection as serving consumes it: fp32 logits ``[rows, max_seq_len]`` for upstream's top-k
+    transforms (``--dsa-topk-backend``), in which each row's ``topk + margin`` best live keys by stage 1 carry
+    their bf16 score (stage 2) and every other column -inf.
+
+    Why logits and not indices: the transform's best ``topk`` of these are :func:`two_stage_topk`'s selection
+    (as a set, ties aside), and everything the transform does besides choosing (the pool-slot mapping, the
+    raw-index capture of ``--enable-return-indexer-topk``, chunk plans) stays upstream's. A row of at most
+    ``topk + margin`` live keys has them all re-scored, so it is scored exactly as by the single-stage kernel.
+    ``out`` (the forward's logits buffer) holds stage 1 first; nothing of the logits' size is allocated."""
+    check_pages(pages)
+    q, weights, seq_lens, page_table = _normalize(q, weights, seq_lens, page_table)
+    out = fp8_paged_mqa_logits(q, pages, weights, seq_lens, page_table, max_seq_len, out=out)
+    if q.shape[0] == 0 or max_seq_len == 0:
+        return out
+    cand = _candidates(out, _live_lengths(seq_lens, max_seq_len), min(topk + margin, max_seq_len), in_place=True)
+    scores = rescore_candidates(q, pages, weights, seq_lens, page_table, cand, max_seq_len)
+    out.fill_(float("-inf"))
+    # a row with fewer live keys than candidates has -1 entries with -inf scores: sent to column 0 under amax,
+    # they leave that column's own score (or -inf) as it is
+    return out.scatter_reduce_(1, cand.clamp_min(0).long(), scores, reduce="amax")
 
 
 def fp8_paged_mqa_logits_ref(q, pages, weights, seq_lens, page_table, max_seq_len) -> torch.Tensor:

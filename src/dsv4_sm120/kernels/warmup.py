@@ -17,14 +17,15 @@ import time
 
 import torch
 
-from dsv4_sm120.kernels import index_k_store, index_query, mqa_logits, page_checksum, query_store
+from dsv4_sm120.kernels import index_k_store, index_query, mqa_logits, page_checksum, query_store, two_stage_logits
 from dsv4_sm120.kernels._common import interpreting
 from dsv4_sm120.kernels.layout import HEAD_DIM, PAGE_SLOTS, ROPE_DIM
 
 SERVING_VARIANTS = 8  # logits 3, store 2, query 1, query and store in one launch 2; the page checksum is one more
+TWO_STAGE_VARIANTS = 2  # DSV4_SM120_INDEX_K_SELECT=two_stage: the prefill scan and the re-score
 
 
-def serving_calls(device: torch.device, *, heads: int, checksum: bool = False) -> list:
+def serving_calls(device: torch.device, *, heads: int, checksum: bool = False, two_stage: bool = False) -> list:
     """(name, call) for each variant, on tiny tensors of the dtypes the model hands the kernels (the AOT specs'
     signatures, which tests/kernels/test_model_build.py checks against the real model): bf16 queries and head
     weights from upstream's bf16 linears, fp32 compressed keys and norm weight, int64 positions and slots."""
@@ -68,15 +69,24 @@ def serving_calls(device: torch.device, *, heads: int, checksum: bool = False) -
              ("query_store[decode]", query_and_store("decode"))]
     if checksum:
         calls.append(("page_checksum", lambda: page_checksum.page_checksum_triton(pages.view(torch.uint8).flatten(1))))
+    if two_stage:  # only prefill chunks select in two stages: the prefill scan, then the re-score
+        rows = mqa_logits.PREFILL_ROWS
+        q, w = zeros(rows, heads, HEAD_DIM, dtype=torch.bfloat16), zeros(rows, heads, 1, dtype=torch.float32)
+        lens, table = zeros(rows, dtype=torch.int32), zeros(rows, 2, dtype=torch.int32)
+        calls += [("two_stage[prefill scan]",
+                   lambda: two_stage_logits.fp8_paged_mqa_logits(q, pages, w, lens, table, keys)),
+                  ("two_stage[re-score]", lambda: two_stage_logits.rescore_candidates(
+                      q, pages, w, lens, table, zeros(rows, 4, dtype=torch.int32) - 1, keys))]
     return calls
 
 
-def compile_for_serving(device, *, heads: int, checksum: bool = False) -> dict:
+def compile_for_serving(device, *, heads: int, checksum: bool = False, two_stage: bool = False) -> dict:
     """Launch every kernel variant once on ``device`` so no request compiles one; returns
     ``{"variants", "compiled", "seconds"}``: the variants launched, how many of them this process had not
     compiled or loaded yet, and the wall time (a few seconds per variant on a cold Triton cache, well under
     one on a warm one). ``heads`` is the indexer's query heads on this rank (a power of two, at least 16);
-    ``checksum`` adds the page checksum (``DSV4_SM120_INDEX_K_CHECKSUM=1``). Off CUDA it does nothing."""
+    ``checksum`` adds the page checksum (``DSV4_SM120_INDEX_K_CHECKSUM=1``), ``two_stage`` the two-stage
+    selection's kernels (``DSV4_SM120_INDEX_K_SELECT=two_stage``). Off CUDA it does nothing."""
     device = torch.device(device)
     if device.type != "cuda" or interpreting():
         return {"variants": 0, "compiled": 0, "seconds": 0.0}
@@ -84,9 +94,10 @@ def compile_for_serving(device, *, heads: int, checksum: bool = False) -> dict:
     with torch.cuda.device(device):
         index = torch.cuda.current_device()
         kernels = (mqa_logits._logits_kernel, index_k_store._store_kernel, index_query._query_kernel,
-                   query_store._query_store_kernel, page_checksum._checksum_kernel)
+                   query_store._query_store_kernel, page_checksum._checksum_kernel, two_stage_logits._scan_kernel,
+                   two_stage_logits._rescore_kernel)
         before = sum(len(k.device_caches[index][0]) for k in kernels)  # Triton's compiled kernels per device
-        calls = serving_calls(device, heads=heads, checksum=checksum)
+        calls = serving_calls(device, heads=heads, checksum=checksum, two_stage=two_stage)
         for _, call in calls:
             call()
         torch.cuda.synchronize()

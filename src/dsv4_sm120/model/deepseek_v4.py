@@ -30,7 +30,8 @@ from sglang.srt.runtime_context import get_memory
 from dsv4_sm120.index_k import gate, integrity
 from dsv4_sm120.kernels.index_k_store import store_index_k_bf16
 from dsv4_sm120.kernels.index_query import index_query_bf16
-from dsv4_sm120.kernels.mqa_logits import LogitsCall, bf16_paged_mqa_logits
+from dsv4_sm120.kernels.mqa_logits import PREFILL_ROWS, LogitsCall, bf16_paged_mqa_logits
+from dsv4_sm120.kernels.two_stage_logits import MARGIN, TOPK, two_stage_paged_mqa_logits
 from dsv4_sm120.kernels.query_store import QueryStoreCall
 
 C4_RATIO = 4
@@ -43,6 +44,8 @@ class BF16IndexerUnsupported(RuntimeError):
 
 class BF16C4Indexer(C4Indexer):
     """C4 indexer over bf16 index keys; the weights and modules are upstream's, unchanged."""
+
+    two_stage = False  # DSV4_SM120_INDEX_K_SELECT=two_stage: long prefill chunks select in two stages
 
     def compute_q(self, q_lora, positions, weight, q_lora_quant=None, out=None):
         """bf16 query (RoPE + Hadamard, no fp8) and head weights scaled by ``weight_scale``, fp32 [T, H, 1];
@@ -305,23 +308,36 @@ def select_topk(indexer: C4Indexer, backend, inputs: TopkInputs, q: torch.Tensor
     pages = backend.token_to_kv_pool.index_k_pages_bf16(indexer.layer_id)  # behind the HiCache load fence
     if checked:  # integrity mode: this layer's loaded pages, as this read finds them
         integrity.check_reads(backend.token_to_kv_pool, indexer.layer_id, pages.view(torch.uint8).flatten(1))
-    if inputs.call is not None:  # one chunk: everything but this layer's queries, weights and pool is bound
+    two_stage = indexer.two_stage and two_stage_chunk(min(rows, step), inputs.width)
+    if inputs.call is not None and not two_stage:  # one chunk: all but this layer's queries, weights, pool bound
         logits = inputs.call(q, pages, weights)
         run_topk_transform(backend, im, logits, inputs.seq_lens, inputs.page_table, inputs.out_pages, raw, whole=True)
     else:
+        whole = inputs.call is not None  # one chunk (two-stage): the forward's own top-k plan
         chunk_plans = getattr(im, "topk_metadata_chunks", None)
         seq_lens, page_table, out_pages, buffer = inputs.seq_lens, inputs.page_table, inputs.out_pages, inputs.logits
         for i, start in enumerate(range(0, rows, max(1, step))):
             r = slice(start, min(rows, start + step))
             n = r.stop - start
-            logits = bf16_paged_mqa_logits(q[r], pages, weights[r], seq_lens[r], page_table[r], inputs.width,
-                                           out=buffer if n == step else buffer[:n])
+            score = two_stage_paged_mqa_logits if two_stage and two_stage_chunk(n, inputs.width) \
+                else bf16_paged_mqa_logits
+            logits = score(q[r], pages, weights[r], seq_lens[r], page_table[r], inputs.width,
+                           out=buffer if n == buffer.shape[0] else buffer[:n])
             run_topk_transform(backend, im, logits, seq_lens[r], page_table[r], out_pages[r],
-                               None if raw is None else raw[r], whole=False,
-                               plan=None if chunk_plans is None else chunk_plans[i])
+                               None if raw is None else raw[r], whole=whole,
+                               plan=None if whole or chunk_plans is None else chunk_plans[i])
     if capturer is not None:
         layer = backend.token_to_kv_pool.layer_mapping[indexer.layer_id].compress_layer_id
         capturer.capture(layer, raw)
+
+
+def two_stage_chunk(rows: int, width: int) -> bool:
+    """Whether a chunk of ``rows`` query rows over ``width`` keys selects in two stages (under
+    ``DSV4_SM120_INDEX_K_SELECT=two_stage``): a prefill chunk (the logits kernel's prefill shape, from
+    ``PREFILL_ROWS`` rows) whose rows can have more keys than the re-score takes. Only there is the fp8-rate scan
+    worth its top-k pass: scoring is compute-bound in a long prefill, while a decode step reads the same bf16
+    bytes in either form."""
+    return rows >= PREFILL_ROWS and width > TOPK + MARGIN
 
 
 def run_topk_transform(backend, im, logits, seq_lens, page_table, out_pages, raw, *, whole: bool, plan=None):
@@ -340,8 +356,9 @@ def run_topk_transform(backend, im, logits, seq_lens, page_table, out_pages, raw
         upstream_indexer.topk_transform_paged(logits, seq_lens, page_table, out_pages, page_size, raw)
 
 
-def use_bf16_indexers(model: torch.nn.Module, *, hisparse: bool = False) -> int:
-    """Switch every upstream C4 indexer in ``model`` to :class:`BF16C4Indexer`; returns how many.
+def use_bf16_indexers(model: torch.nn.Module, *, hisparse: bool = False, two_stage: bool = False) -> int:
+    """Switch every upstream C4 indexer in ``model`` to :class:`BF16C4Indexer` (``two_stage``: long prefill
+    chunks select in two stages, ``DSV4_SM120_INDEX_K_SELECT``); returns how many.
 
     Features the bf16 indexer does not carry are refused here, at model build, before any pool or
     CUDA graph exists, rather than in the first forward.
@@ -360,6 +377,7 @@ def use_bf16_indexers(model: torch.nn.Module, *, hisparse: bool = False) -> int:
                     "drop the flag or set DSV4_SM120_INDEX_K_DTYPE=fp8"
                 )
             module.__class__ = BF16C4Indexer
+            module.two_stage = two_stage
             count += 1
     return count
 
@@ -373,8 +391,10 @@ class DeepseekV4ForCausalLMSM120(DeepseekV4ForCausalLM):
         self.index_k_dtype = cfg.index_k_dtype
         self.kernels_ready = {"variants": 0}
         if self.index_k_dtype == "bf16":
-            self.bf16_indexers = use_bf16_indexers(self, hisparse=bool(get_memory().enable_hisparse))
-            self.kernels_ready = compile_kernels(self, checksum=cfg.index_k_checksum)
+            two_stage = cfg.index_k_select == "two_stage"
+            self.bf16_indexers = use_bf16_indexers(self, hisparse=bool(get_memory().enable_hisparse),
+                                                   two_stage=two_stage)
+            self.kernels_ready = compile_kernels(self, checksum=cfg.index_k_checksum, two_stage=two_stage)
         else:
             self.bf16_indexers = 0
         logger.info(built_line(self))
@@ -394,7 +414,7 @@ class DeepseekV4ForCausalLMSM120(DeepseekV4ForCausalLM):
             self._prewarm_mhc_kernels()  # upstream's own; it returns at once where upstream does not use TileLang
 
 
-def compile_kernels(model: torch.nn.Module, *, checksum: bool) -> dict:
+def compile_kernels(model: torch.nn.Module, *, checksum: bool, two_stage: bool = False) -> dict:
     """Every variant of the package's kernels compiled (or loaded from Triton's cache) while the server
     starts, so that no request waits for a compile (it stalled the first request of a new shape 1.3-2.1 s)."""
     from dsv4_sm120.kernels.warmup import compile_for_serving
@@ -403,7 +423,7 @@ def compile_kernels(model: torch.nn.Module, *, checksum: bool) -> dict:
     if not heads:
         return {"variants": 0}
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return compile_for_serving(device, heads=heads, checksum=checksum)  # nothing to do off CUDA
+    return compile_for_serving(device, heads=heads, checksum=checksum, two_stage=two_stage)  # nothing off CUDA
 
 
 def built_line(model: torch.nn.Module) -> str:
