@@ -16,6 +16,8 @@ $OUT_JSON), rewritten after each timed section, so a run cut short keeps what it
 $OUT_JSON; ``--eager-repeats N`` sweeps the eager C4 layer's shapes N times and keeps each shape's median sweep
 with every sweep's figure beside it); ``--tune-only`` times launch configurations beside upstream's kernel
 instead and writes $OUT_JSON;
+``--two-stage-only`` times the two-stage selection of long prefill chunks beside single-stage bf16 and upstream's
+fp8 kernels (``two_stage``), after ``doctor --selftest``, and writes $OUT_JSON;
 ``--dry-cpu`` checks the script on the CPU with tiny shapes and no peer (``TRITON_INTERPRET=1``), writing under
 /tmp unless $OUT_JSON is set:
 
@@ -36,7 +38,7 @@ from pathlib import Path
 import torch
 
 from bench import _gpu_common as g
-from bench.indexer import breakdown, cases, checks, decode, eager, prefill, tune
+from bench.indexer import breakdown, cases, checks, decode, eager, prefill, tune, two_stage
 from bench.indexer.cases import D, DRY_SIZES, PAGE, SIZES
 from bench.indexer.paired import row_text
 from bench.indexer.peers import (DeepGemmPagedPeer, DeepGemmRaggedPeer, Fp8Peer, deepgemm_info, fp8_pool,
@@ -51,6 +53,8 @@ def main():
     ap.add_argument("--tune-only", action="store_true", help="only the launch-configuration tuning (its own JSON)")
     ap.add_argument("--tune-decode-only", action="store_true", help="with --tune-only: decode configurations only")
     ap.add_argument("--tune-prefill-only", action="store_true", help="with --tune-only: prefill configurations only")
+    ap.add_argument("--two-stage-only", action="store_true",
+                    help="only the two-stage selection of long prefill chunks against bf16 and the fp8 peers")
     ap.add_argument("--dry-cpu", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): checks the script")
     ap.add_argument("--eager-only", action="store_true",
                     help="only the eager-vs-graph host-cost table of decode logits (its own JSON, under a minute)")
@@ -100,11 +104,17 @@ def main():
                           **(deepgemm_info(dg, args.deepgemm) if dg is not None else {})}
     pool_pages = max(max(SIZES["decode_b"]) * max(SIZES["decode_live"]) // PAGE,
                      12 * math.ceil(SIZES["ragged_max"] / PAGE))  # the ragged case's 12 rows, one table each
+    if args.two_stage_only:  # one shared table of the longest context's keys
+        pool_pages = 2 * math.ceil(max(SIZES["long_keys"]) / PAGE)
     pool = torch.randn((pool_pages, PAGE, D), generator=gen, device=cases.DEV).to(torch.bfloat16)
     pool8 = fp8_pool(pool) if fn is not None or dg is not None else None
     peer = Fp8Peer(fn, pool8) if fn is not None else None
     paged_peers = ([peer] if peer else []) + ([DeepGemmPagedPeer(dg, pool8)] if dg is not None else [])
     prefill_peers = ([peer] if peer else []) + ([DeepGemmRaggedPeer(dg, pool8)] if dg is not None else [])
+    if args.two_stage_only:
+        result["long_prefill"] = two_stage.long_prefill_section(prefill_peers, pool, gen)
+        run_record.write(Path(os.environ.get("OUT_JSON", "/tmp/indexer_two_stage_dry.json")), result)
+        return
     if args.tune_only:
         result["tune"] = tune.tune_section(peer, pool, gen, prefill=not args.tune_decode_only,
                                            decode=not args.tune_prefill_only)

@@ -23,9 +23,11 @@ DEV = "cuda"
 SIZES = dict(eager_b=(1, 8, 64), eager_live=(4096, 32768, 131072), eager_calls=200, breakdown_calls=200,
              decode_b=(1, 8, 64, 256), decode_live=(4096, 32768, 131072), width=CAPTURE_WIDTH,
              verify=((8, 32768), (64, 32768)), prefill=(8192, 32768), sweep_n=8192, check_rows=3,
-             store_n=16384, store_pool=2048, query_t=8192, ragged_max=70001, max_pos=65536)
+             store_n=16384, store_pool=2048, query_t=8192, ragged_max=70001, max_pos=65536,
+             long_rows=8192, long_keys=(4096, 16384, 32768, 65536))
 DRY_SIZES = dict(eager_b=(1, 2), eager_live=(256,), eager_calls=3, breakdown_calls=2, decode_b=(1, 2), decode_live=(256,), width=1024, verify=((2, 256),), prefill=(128,), sweep_n=128,
-                 check_rows=2, store_n=32, store_pool=4, query_t=4, ragged_max=1100, max_pos=2048)
+                 check_rows=2, store_n=32, store_pool=4, query_t=4, ragged_max=1100, max_pos=2048,
+                 long_rows=8, long_keys=(1100,))
 
 
 def case(pool_pages, rows, lens, width, gen, shared=False):
