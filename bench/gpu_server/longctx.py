@@ -1,8 +1,9 @@
 """``longctx``: what bf16 index keys cost against upstream's fp8 indexers at long context, prefill and decode.
 
-Servers. The package with bf16 keys (``--model-impl dsv4``) against upstream (``--model-impl sglang``) with
-each of its production fp8 indexer kernels, TileLang (sm_120's default) and DeepGEMM (sm_90's), as the
-``cost`` set has them, on the model named by ``DSV4_GPU_LONGCTX_MODEL`` (default ``flash12``; ``flash_share``
+Servers. The package with bf16 keys (``--model-impl dsv4``; ``dsv4_two_stage``: long prefill chunks selected in
+two stages, ``DSV4_SM120_INDEX_K_SELECT=two_stage``) against upstream (``--model-impl sglang``) with each of its
+production fp8 indexer kernels, TileLang (sm_120's default) and DeepGEMM (sm_90's), as the ``cost`` set has
+them; ``DSV4_GPU_LONGCTX_SERVERS`` names which run (:func:`server_names`), on the model named by ``DSV4_GPU_LONGCTX_MODEL`` (default ``flash12``; ``flash_share``
 is Flash's per-layer proportions with as many layers as three servers' bf16 weights fit on one 80 GB GPU,
 ``harness/dsv4_checkpoints.py`` says what it cuts and why). Each is sized for the longest point: context
 ``CONTEXT_LENGTH`` (256k tokens and the decode tails), a pool of ``MAX_TOTAL_TOKENS`` (one 256k request plus
@@ -60,7 +61,12 @@ MAX_TOTAL_TOKENS = 256 * K + 32 * K  # one 256k request, and at 256k depth 32 ta
 CHUNKED_PREFILL = 16384
 BARS = {"prefill": 1.03, "decode": 1.02}
 BAR_BASE = "sglang_deepgemm"  # the bars are the issue's, against DeepGEMM's fp8 indexer
-OURS, BASES = "dsv4_bf16", ("sglang_tilelang", "sglang_deepgemm")
+# the package's servers: bf16 keys with exact selection, and with long prefill chunks selected in two stages
+PACKAGE = {"dsv4_bf16": {}, "dsv4_two_stage": {"DSV4_SM120_INDEX_K_SELECT": "two_stage"}}
+OURS, BASES = tuple(PACKAGE), ("sglang_tilelang", "sglang_deepgemm")
+# which servers run (DSV4_GPU_LONGCTX_SERVERS): the default three fit one 80 GB GPU with flash_share; four need
+# more memory, or a shorter list (e.g. dsv4_bf16,dsv4_two_stage,sglang_deepgemm)
+DEFAULT_SERVERS = ("dsv4_bf16", "sglang_tilelang", "sglang_deepgemm")
 MARKER_TOKENS = 16  # the short request after each prefill visit whose log line closes the visit's last chunk
 
 
@@ -68,8 +74,19 @@ def model() -> str:
     return os.environ.get("DSV4_GPU_LONGCTX_MODEL", "flash12")
 
 
+def server_names(env=None) -> list[str]:
+    """The servers of this run, from ``DSV4_GPU_LONGCTX_SERVERS`` (default :data:`DEFAULT_SERVERS`)."""
+    env = os.environ if env is None else env
+    names = [x.strip() for x in env.get("DSV4_GPU_LONGCTX_SERVERS", "").split(",") if x.strip()] or list(DEFAULT_SERVERS)
+    unknown = [n for n in names if n not in (*OURS, *BASES)]
+    if unknown or not any(n in OURS for n in names) or not any(n in BASES for n in names):
+        raise ValueError(f"DSV4_GPU_LONGCTX_SERVERS={','.join(names)}: name at least one of {list(OURS)} and one of "
+                         f"{list(BASES)}, nothing else")
+    return names
+
+
 def specs() -> list[ServerSpec]:
-    """The three servers on ``model()``, each sized for the 256k point. Three servers share the GPU: the KV
+    """The servers of :func:`server_names` on ``model()``, each sized for the 256k point. They share the GPU: the KV
     budget of one is what is free when it profiles minus (1 - share) x what was free when it started, so the
     share must leave room for the others' weights (``flash_share``'s three take 48 GB of 80); the pools are
     capped by ``--max-total-tokens`` either way. Half the pool for the sliding-window layers, as ``cost``."""
@@ -78,11 +95,9 @@ def specs() -> list[ServerSpec]:
                   chunked_prefill=chunk, graph_batches=tuple(DECODE_BATCHES),
                   extra_args=["--swa-full-tokens-ratio", "0.5", "--decode-log-interval", str(DECODE_LOG_INTERVAL)])
     name = model()
-    return [
-        ServerSpec(OURS, name, "dsv4", **common),
-        ServerSpec("sglang_tilelang", name, "sglang", upstream_indexer="tilelang", **common),
-        ServerSpec("sglang_deepgemm", name, "sglang", upstream_indexer="deepgemm", **common),
-    ]
+    return [ServerSpec(n, name, "dsv4", extra_env=PACKAGE[n], **common) if n in PACKAGE
+            else ServerSpec(n, name, "sglang", upstream_indexer=n.removeprefix("sglang_"), **common)
+            for n in server_names()]
 
 
 def _tokens(text: str) -> int:
@@ -215,28 +230,24 @@ def ratio_rows(prefill: dict, decode: dict, shares: dict | None = None) -> dict:
     out: dict = {}
     for kind, table in (("prefill", prefill), ("decode", decode)):
         for point, per_server in table.items():
-            if OURS not in per_server:
-                continue
-            for base in BASES:
-                if base not in per_server:
-                    continue
+            for ours, base in [(o, b) for o in OURS for b in BASES if o in per_server and b in per_server]:
                 row = {"bar": BARS[kind], "bar_of_the_issue": base == BAR_BASE}
                 if shares and f"{kind} {point}" in shares:
                     row["analytic_indexer_share"] = shares[f"{kind} {point}"]
                 for measure, key in (("client", "visits_ms"), ("server", "server_visits_ms")):
-                    r = medians_ratio(per_server[OURS][key], per_server[base][key])
+                    r = medians_ratio(per_server[ours][key], per_server[base][key])
                     row[measure] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
                     row[f"{measure}_verdict"] = verdict(r, BARS[kind])
-                out.setdefault(f"{kind} {point}", {})[f"{OURS}/{base}"] = row
+                out.setdefault(f"{kind} {point}", {})[f"{ours}/{base}"] = row
     return out
 
 
-def bars(ratio_table: dict) -> dict:
-    """The issue's bars over every row against ``BAR_BASE``: the rows per verdict, by the client's figures
-    and the server's."""
+def bars(ratio_table: dict, ours: str = OURS[0]) -> dict:
+    """The issue's bars over every row of the package's server ``ours`` against ``BAR_BASE``: the rows per
+    verdict, by the client's figures and the server's."""
     out: dict = {}
     for point, per_base in ratio_table.items():
-        row = per_base.get(f"{OURS}/{BAR_BASE}")
+        row = per_base.get(f"{ours}/{BAR_BASE}")
         if row:
             for measure in ("client", "server"):
                 out.setdefault(measure, {}).setdefault(row[f"{measure}_verdict"], []).append(point)
@@ -311,5 +322,5 @@ def run(servers: dict, logs: dict | None = None, work_dir=None, out: dict | None
                                  "server_step_ms": _figure(server[n]), "server_visits_ms": server[n]} for n in names}
             result["ratios"] = ratio_rows(prefill, decode, result["analytic_indexer_share"])
     result["ratios"] = ratio_rows(prefill, decode, result["analytic_indexer_share"])
-    result["bar_verdicts"] = bars(result["ratios"])
+    result["bar_verdicts"] = {ours: bars(result["ratios"], ours) for ours in OURS if ours in names}
     return result

@@ -32,6 +32,23 @@ def test_the_set_is_registered_with_three_servers_sized_for_256k(monkeypatch):
     assert {(s.model, s.chunked_prefill) for s in longctx.specs()} == {("flash12", 8192)}
 
 
+def test_the_two_stage_server_joins_by_name_and_a_bad_list_is_refused(monkeypatch):
+    monkeypatch.setenv("DSV4_GPU_LONGCTX_SERVERS", "dsv4_bf16,dsv4_two_stage,sglang_deepgemm")
+    specs = {s.name: s for s in longctx.specs()}
+    assert list(specs) == ["dsv4_bf16", "dsv4_two_stage", "sglang_deepgemm"]
+    assert specs["dsv4_two_stage"].impl == "dsv4"
+    assert specs["dsv4_two_stage"].extra_env == {"DSV4_SM120_INDEX_K_SELECT": "two_stage"}
+    assert specs["dsv4_bf16"].extra_env == {} and specs["sglang_deepgemm"].upstream_indexer == "deepgemm"
+    for bad in ("dsv4_bf16,sglang_fp4", "dsv4_bf16", "sglang_deepgemm"):
+        with pytest.raises(ValueError, match="DSV4_GPU_LONGCTX_SERVERS"):
+            longctx.server_names({"DSV4_GPU_LONGCTX_SERVERS": bad})
+    planted = {"16384": _planted({"dsv4_bf16": 110.0, "dsv4_two_stage": 100.0, "sglang_deepgemm": 100.0}, 0.002)}
+    rows = longctx.ratio_rows(planted, {})["prefill 16384"]
+    assert set(rows) == {"dsv4_bf16/sglang_deepgemm", "dsv4_two_stage/sglang_deepgemm"}
+    assert rows["dsv4_two_stage/sglang_deepgemm"]["client"]["ratio"] == pytest.approx(1.0, rel=0.01)
+    assert longctx.bars({"prefill 16384": rows}, "dsv4_two_stage")["client"] == {"shown": ["prefill 16384"]}
+
+
 def test_a_bundle_finished_before_flash_share_gets_its_config_written(tmp_path):
     dsv4_checkpoints.write("flash12", tmp_path)
     assert run.ensure_checkpoints({"flash12", "flash_share"}, tmp_path) == ["flash_share"]
@@ -213,6 +230,6 @@ def test_a_run_on_stand_in_servers_fills_every_figure(monkeypatch):
     row = res["ratios"]["prefill 300"]["dsv4_bf16/sglang_deepgemm"]
     assert row["server"]["ratio"] == pytest.approx(1.1, rel=1e-3) and row["server_verdict"] == "failed"
     assert res["ratios"]["decode 2x300"]["dsv4_bf16/sglang_tilelang"]["server_verdict"] == "shown"
-    assert res["bar_verdicts"]["server"]["failed"] == ["prefill 200", "prefill 300"]
+    assert res["bar_verdicts"]["dsv4_bf16"]["server"]["failed"] == ["prefill 200", "prefill 300"]
     assert set(res["analytic_indexer_share"]) == {"prefill 200", "prefill 300", "decode 2x300"}
     assert row["analytic_indexer_share"] == res["analytic_indexer_share"]["prefill 300"]
