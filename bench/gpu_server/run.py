@@ -23,12 +23,13 @@ import tarfile
 import time
 from pathlib import Path
 
-from bench.gpu_server import abort_safety, agents, hicache, incident, longctx, pd, scenarios
+from bench.gpu_server import abort_safety, agents, hicache, incident, longctx, pd, restore, scenarios
 from bench.gpu_server.servers import Started, launch_line, log_tail, start, wait_healthy
 from harness import dsv4_checkpoints, run_record
 
 SETS = {"serve": (scenarios.serve_specs, scenarios.run_serve), "cost": (scenarios.cost_specs, scenarios.run_cost),
-        "hicache": (hicache.specs, hicache.run), "longctx": (longctx.specs, longctx.run)}
+        "hicache": (hicache.specs, hicache.run), "longctx": (longctx.specs, longctx.run),
+        "restore": (restore.specs, restore.run)}
 # Sets that start their own processes: run(models_root, log_dir, startup_timeout, servers record, results,
 # mem_fraction=None, ready=None); ready(), when given, is called once their servers serve, before their traffic
 OWN_PROCESSES = {"pd": pd.run, "incident": incident.run, "agents": agents.run, "abort_safety": abort_safety.run}
