@@ -5,14 +5,12 @@ cached. Real: the visit (session, filler, returning turn), the order, the figure
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from bench.gpu_server import restore, run
+from bench.tests.gpu_server.test_scenarios_cpu import _serve
 
 TOKENS = 8 * restore.POOL_MARGIN
 
@@ -32,27 +30,15 @@ def _cached(ids: list[int], held: list[list[int]]) -> int:
 def _stand_in(host_tier: bool):
     held: list[list[int]] = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
+    def meta_of(ids):
+        cached = _cached(ids, held)
+        if not host_tier:
+            held.clear()  # the device pool holds one session
+        held.append(ids)
+        time.sleep((len(ids) - cached) * 1e-6)
+        return {"cached_tokens": cached}
 
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            ids = body["input_ids"][0] if isinstance(body["input_ids"][0], list) else body["input_ids"]
-            cached = _cached(ids, held)
-            if not host_tier:
-                held.clear()  # the device pool holds one session
-            held.append(ids)
-            time.sleep((len(ids) - cached) * 1e-6)
-            data = json.dumps([{"output_ids": [1], "meta_info": {"cached_tokens": cached}}]).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
+    return _serve(lambda ids, n: [1] * n, None, meta_of=meta_of)
 
 
 def test_the_set_is_registered_and_sizes_each_pool_for_one_session(monkeypatch):

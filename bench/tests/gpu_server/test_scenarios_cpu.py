@@ -22,7 +22,10 @@ from bench.gpu_server import hicache, scenarios, traffic
 from harness import dsv4_checkpoints, faults
 
 
-def _serve(tokens_of, topk_of, stall_after=None, step_s=0.0):
+def _serve(tokens_of, topk_of, stall_after=None, step_s=0.0, meta_of=None):
+    """A stand-in sglang on a free loopback port: ``/generate`` answers ``tokens_of(ids, n)`` per prompt (streamed
+    a token every ``step_s``, or whole, with ``meta_of(ids)``'s fields in ``meta_info``), the indexer's selections
+    ``topk_of(ids)`` when asked, nothing after ``stall_after`` requests; ``/metrics`` a counter that grows."""
     calls = {"n": 0}
     stalled = threading.Event()
 
@@ -65,7 +68,7 @@ def _serve(tokens_of, topk_of, stall_after=None, step_s=0.0):
                 body["input_ids"] = [body["input_ids"]]
             out = []
             for ids in body["input_ids"]:
-                item = {"output_ids": tokens_of(ids, n), "meta_info": {}}
+                item = {"output_ids": tokens_of(ids, n), "meta_info": meta_of(ids) if meta_of else {}}
                 if body.get("return_indexer_topk"):
                     item["meta_info"]["indexer_topk"] = base64.b64encode(topk_of(ids).tobytes()).decode()
                 out.append(item)
