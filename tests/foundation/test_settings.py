@@ -15,7 +15,7 @@ def clean_env(monkeypatch):
 
 def test_defaults():
     cfg = settings.load()
-    assert cfg.index_k_dtype == "bf16"
+    assert cfg.index_k_dtype == "bf16" and cfg.index_k_select == "exact"
     assert cfg.nixl_hardening and cfg.collective_guard
     assert not cfg.index_k_checksum and not cfg.allow_pin_mismatch
 
@@ -42,3 +42,11 @@ def test_in_force_reports_invalid_values_without_raising(monkeypatch):
     monkeypatch.setenv("DSV4_SM120_INDEX_K_DTYPE", "int4")
     assert settings.in_force()["DSV4_SM120_INDEX_K_DTYPE"].startswith("INVALID")
 
+
+
+def test_the_selection_switch_takes_two_stage_and_refuses_anything_else(monkeypatch):
+    monkeypatch.setenv("DSV4_SM120_INDEX_K_SELECT", "two_stage")
+    assert settings.load().index_k_select == "two_stage"
+    monkeypatch.setenv("DSV4_SM120_INDEX_K_SELECT", "fp8")
+    with pytest.raises(settings.SettingsError, match="DSV4_SM120_INDEX_K_SELECT='fp8' is not one of exact, two_stage"):
+        settings.load()

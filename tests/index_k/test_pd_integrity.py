@@ -403,14 +403,13 @@ def test_a_late_nixl_write_into_received_pages_fails_the_request_at_its_next_rer
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     from dsv4_sm120.index_k import pd_late_writes
-    from tests.nixl.late_writes import FakeReq
+    from tests.nixl.late_writes import pin_req
 
     sides(True, True)
     s = pd.open(n_pages=6)
     _transfer(pd, s)
     assert s.receiver.poll() == KVPoll.Success  # the baseline of its 5 full pages is taken here
-    req = FakeReq(f"req-{s.room}", s.room, 0)
-    req.to_finish = None
+    req = pin_req(f"req-{s.room}", s.room)
     req.finished = lambda: req.to_finish is not None
     batch = _decode_forward(req)
     before = dict(pd_late_writes.COUNTERS)
@@ -441,19 +440,17 @@ def test_a_late_write_after_the_sampled_rereads_is_found_at_the_requests_last_fo
     """A late write that lands after a request's first re-read and before its last forward (its length bound
     reached) is found by the re-read of that last forward; the verdict lands after the answer went out, so it
     is counted and logged, and nothing is failed."""
-    from types import SimpleNamespace
-
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     from dsv4_sm120.index_k import pd_late_writes
-    from tests.nixl.late_writes import FakeReq
+    from tests.nixl.late_writes import pin_req
 
     sides(True, True)
     s = pd.open(n_pages=6)
     _transfer(pd, s)
     assert s.receiver.poll() == KVPoll.Success
-    req = FakeReq(f"req-{s.room}", s.room, 0)
-    req.to_finish, req.output_ids, req.sampling_params = None, [7], SimpleNamespace(max_new_tokens=5)
+    req = pin_req(f"req-{s.room}", s.room, max_new_tokens=5)
+    req.output_ids = [7]
     req.finished = lambda: req.to_finish is not None
     batch = _decode_forward(req)
     before = dict(pd_late_writes.COUNTERS)
@@ -466,7 +463,7 @@ def test_a_late_write_after_the_sampled_rereads_is_found_at_the_requests_last_fo
         req.output_ids.append(7)
         _forwards(batch, 1)
     req.to_finish = "length"  # the answer went out
-    _forwards(_decode_forward(FakeReq("other", -1, 0)), 1)  # a later forward reads the verdict back
+    _forwards(_decode_forward(pin_req("other", -1)), 1)  # a later forward reads the verdict back
     found = {k: pd_late_writes.COUNTERS[k] - before[k] for k in before}
     assert found["pd_late_writes_total"] == 2 and found["pd_late_write_requests_failed_total"] == 0, found
     assert req.to_finish == "length"

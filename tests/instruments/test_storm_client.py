@@ -15,8 +15,8 @@ def _storm(server, capsys, *extra: str) -> tuple[int, dict]:
 def test_healthy_server_recovers_and_every_session_was_cut_mid_stream(server, capsys, monkeypatch):
     # Every switch away from its default: the report must record what is in force, not the defaults.
     in_force = {"DSV4_SM120_ALLOW_PIN_MISMATCH": "1", "DSV4_SM120_INDEX_K_DTYPE": "fp8",
-                "DSV4_SM120_INDEX_K_CHECKSUM": "1", "DSV4_SM120_NIXL_HARDENING": "0",
-                "DSV4_SM120_COLLECTIVE_GUARD": "0"}
+                "DSV4_SM120_INDEX_K_SELECT": "two_stage", "DSV4_SM120_INDEX_K_CHECKSUM": "1",
+                "DSV4_SM120_NIXL_HARDENING": "0", "DSV4_SM120_COLLECTIVE_GUARD": "0"}
     for env, value in in_force.items():
         monkeypatch.setenv(env, value)
     server.reset(token_delay_s=0.05)

@@ -47,7 +47,7 @@ def test_the_build_says_once_at_the_default_log_level_what_it_built(built):
 
 
 def test_bf16_build_readies_every_kernel_variant_before_serving(built):
-    assert built["bf16"]["warmups"] == [{"device": "cpu", "heads": 64, "checksum": False}]
+    assert built["bf16"]["warmups"] == [{"device": "cpu", "heads": 64, "checksum": False, "two_stage": False}]
     assert built["fp8"]["warmups"] == []
 
 

@@ -30,7 +30,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- fix 1: bf16 index keys -------------------------------------------------------------------
     M("model-skips-use_bf16_indexers", "audit: the model class swaps its C4 indexers (built through upstream's __init__)",
       (E("src/dsv4_sm120/model/deepseek_v4.py",
-         "self.bf16_indexers = use_bf16_indexers(self, hisparse=bool(get_memory().enable_hisparse))",
+         "self.bf16_indexers = use_bf16_indexers(self, hisparse=bool(get_memory().enable_hisparse),\n"
+         "                                                   two_stage=two_stage)",
          "self.bf16_indexers = 0"),),
       ("tests/kernels/test_model_build.py::test_bf16_build_swaps_every_c4_indexer",)),
     M("model-build-not-logged", "the server logs, at the default level, what the model built",
@@ -58,7 +59,8 @@ MUTATIONS: tuple[Mutation, ...] = (
       timeout_s=90, imported_in_subprocess=True),
     M("model-kernels-compiled-on-first-request", "the model readies every kernel variant while the server starts",
       (E("src/dsv4_sm120/model/deepseek_v4.py",
-         "            self.kernels_ready = compile_kernels(self, checksum=cfg.index_k_checksum)\n", ""),),
+         "            self.kernels_ready = compile_kernels(self, checksum=cfg.index_k_checksum, two_stage=two_stage)\n",
+         ""),),
       ("tests/kernels/test_model_build.py::test_bf16_build_readies_every_kernel_variant_before_serving",),
       timeout_s=400, imported_in_subprocess=True),
     M("topk-inputs-made-every-layer", "the C4 layers of a forward share its top-k inputs and logits buffer",
@@ -268,8 +270,10 @@ MUTATIONS: tuple[Mutation, ...] = (
       ("tests/kernels/test_aot_compile.py::test_the_key_store_and_query_rotate_by_adds_not_a_matrix_product",)),
     # --- the two-stage indexer ------------------------------------------------------------------------
     M("two-stage-selects-by-stage-1", "two-stage indexer: stage 2 re-scores the candidates in bf16 and selects by that",
-      (E(TWO_STAGE, "    scores = rescore_candidates(q, pages, weights, seq_lens, page_table, cand, max_seq_len)\n",
-         "    scores = stage1.gather(1, cand.long().clamp_min(0)).masked_fill(cand < 0, float(\"-inf\"))\n"),),
+      (E(TWO_STAGE, "    scores = rescore_candidates(q, pages, weights, seq_lens, page_table, cand, max_seq_len)\n"
+                    "    return _selection(cand, scores, topk)\n",
+         "    scores = stage1.gather(1, cand.long().clamp_min(0)).masked_fill(cand < 0, float(\"-inf\"))\n"
+         "    return _selection(cand, scores, topk)\n"),),
       ("tests/kernels/test_two_stage_logits.py::"
        "test_two_stage_selects_what_bf16_selects_when_the_margin_covers_the_keys[near_tied]",)),
     M("two-stage-key-scale-per-tile", "two-stage indexer: stage 1 quantizes each key with its own scale, not its tile's",

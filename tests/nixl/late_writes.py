@@ -68,6 +68,19 @@ def one_rank_gloo_group():
         return dist.new_group([0], backend="gloo")
 
 
+def pin_req(rid: str, room: int, tokens: int = 1, max_new_tokens: int = 1 << 20):
+    """The pin's own ``Req`` of a PD room, holding ``tokens`` KV tokens where upstream keeps that count."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req(rid, "", array("q", range(max(tokens, 1))), SamplingParams(max_new_tokens=max_new_tokens),
+              bootstrap_room=room)
+    req.kv.kv_allocated_len = tokens
+    return req
+
+
 class _Slots:
     def clear_slot(self, idx):
         pass
@@ -108,15 +121,9 @@ class HoldList:
     def hold(self, session):
         """The decode aborted ``session`` mid-transfer: its request goes into the hold list, as upstream's
         failure path does for a room it notified."""
-        from array import array
-
         from sglang.srt.disaggregation.decode import DecodeRequest
-        from sglang.srt.managers.schedule_batch import Req
-        from sglang.srt.sampling.sampling_params import SamplingParams
 
-        tokens = 256 * len(session.dst)
-        req = Req(f"req-{session.room}", "", array("q", range(tokens)), SamplingParams(), bootstrap_room=session.room)
-        req.kv.kv_allocated_len = tokens
+        req = pin_req(f"req-{session.room}", session.room, 256 * len(session.dst))
         decode_req = DecodeRequest(req=req, kv_receiver=session.receiver, metadata_buffer_index=0)
         self.queue._defer_release(decode_req)
         return decode_req

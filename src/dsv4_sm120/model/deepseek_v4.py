@@ -436,6 +436,8 @@ def built_line(model: torch.nn.Module) -> str:
     bf16 = sum(type(m) is BF16C4Indexer for m in c4)
     line = (f"dsv4-sm120: built {type(model).__name__} with {model.index_k_dtype} index keys: "
             f"{bf16} of {len(c4)} C4 indexers replaced by BF16C4Indexer, {len(c4) - bf16} upstream C4Indexer left")
+    if any(type(m) is BF16C4Indexer and m.two_stage for m in c4):
+        line += " (long prefill chunks select in two stages)"
     ready = model.kernels_ready
     if ready["variants"]:
         line += f"; {ready['variants']} kernel variants ready in {ready['seconds']:.1f} s ({ready['compiled']} compiled)"
