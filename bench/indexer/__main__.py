@@ -112,8 +112,9 @@ def main():
     paged_peers = ([peer] if peer else []) + ([DeepGemmPagedPeer(dg, pool8)] if dg is not None else [])
     prefill_peers = ([peer] if peer else []) + ([DeepGemmRaggedPeer(dg, pool8)] if dg is not None else [])
     if args.two_stage_only:
-        result["long_prefill"] = two_stage.long_prefill_section(prefill_peers, pool, gen)
-        run_record.write(Path(os.environ.get("OUT_JSON", "/tmp/indexer_two_stage_dry.json")), result)
+        out = Path(os.environ.get("OUT_JSON", "/tmp/indexer_two_stage_dry.json"))
+        two_stage.long_prefill_section(prefill_peers, pool, gen,
+                                       on_row=lambda rows: run_record.write(out, {**result, "long_prefill": rows}))
         return
     if args.tune_only:
         result["tune"] = tune.tune_section(peer, pool, gen, prefill=not args.tune_decode_only,

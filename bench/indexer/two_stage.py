@@ -31,7 +31,8 @@ def _topk_sets(logits, lens):
     return [set(torch.topk(logits[r, :n], min(TOPK, n)).indices.tolist()) for r, n in enumerate(lens.tolist())]
 
 
-def long_prefill_section(peers, pool, gen, rounds: int = 3) -> list[dict]:
+def long_prefill_section(peers, pool, gen, rounds: int = 3, on_row=None) -> list[dict]:
+    """One row per key count (module doc); ``on_row(rows so far)`` after each, so a run cut short keeps them."""
     rows_out = []
     rows = SIZES["long_rows"]
     for keys in SIZES["long_keys"]:
@@ -61,6 +62,8 @@ def long_prefill_section(peers, pool, gen, rounds: int = 3) -> list[dict]:
         res["check_bf16"] = check_rows(exact, q, pool, w, sl, pt, keys, [0, rows // 2, rows - 1])
         rows_out.append(res)
         print(row_text(res), flush=True)
+        if on_row is not None:
+            on_row(rows_out)
         del exact, two, scratch, q, w, sl, pt
         if cases.DEV == "cuda":
             torch.cuda.empty_cache()
