@@ -11,8 +11,9 @@ compressed by 4). Timed with do_bench in alternating rounds (``paired._time_alte
 
 Each is the work before upstream's top-k transform, which every path then runs alike on logits of the same
 shape, so the ratios are of what differs; the transform's own time (``torch.topk`` of 512, the torch
-backend's) is recorded beside them for scale. Selection check: the rows where two-stage's selection equals
-single-stage bf16's (top 512 of the float64 reference on sampled rows, and of the bf16 kernel on all rows).
+backend's) is recorded beside them for scale. Checks: the rows where two-stage's top 512 equals the bf16
+kernel's, the bf16 kernel against the float64 reference on sampled rows, and each peer's agreement with it
+(``paired._compare_with_peers``).
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ import torch
 from bench import _gpu_common as g
 from bench.indexer import cases
 from bench.indexer.cases import D, H, SIZES, TOPK, case, check_rows
-from bench.indexer.paired import RATIO_KEY, _bind_peers, _time_alternating
+from bench.indexer.paired import _bind_peers, _compare_with_peers, _time_alternating
 from dsv4_sm120.kernels.mqa_logits import bf16_paged_mqa_logits
 from dsv4_sm120.kernels.two_stage_logits import two_stage_paged_mqa_logits
 
 
-def _topk_sets(logits, lens):
-    return [set(torch.topk(logits[r, :n], min(TOPK, n)).indices.tolist()) for r, n in enumerate(lens.tolist())]
+def _top(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's top 512 key indices, ascending (every row here scores all ``logits.shape[1]`` keys)."""
+    return torch.topk(logits, min(TOPK, logits.shape[1]), dim=1, sorted=False).indices.sort(dim=1).values
 
 
 def long_prefill_section(peers, pool, gen, rounds: int = 3, on_row=None) -> list[dict]:
@@ -44,7 +46,6 @@ def long_prefill_section(peers, pool, gen, rounds: int = 3, on_row=None) -> list
         res = {"shape": "long prefill", "rows": rows, "keys": keys, "context_tokens": 4 * keys,
                "flops_scored": 2.0 * rows * keys * H * D}
         calls, outs = _bind_peers(peers, q, w, sl, pt, keys, res)
-        del outs
         scratch = torch.empty_like(exact)
         timers = {"ours": lambda: bf16_paged_mqa_logits(q, pool, w, sl, pt, keys, out=scratch),
                   "two_stage": lambda: two_stage_paged_mqa_logits(q, pool, w, sl, pt, keys, out=scratch),
@@ -54,17 +55,15 @@ def long_prefill_section(peers, pool, gen, rounds: int = 3, on_row=None) -> list
         for name, denominator in (("two_stage_vs_ours", "ours_ms"), *((f"two_stage_vs_{p.name}", f"{p.name}_ms")
                                                                        for p in peers if p.name in calls)):
             res[name] = res["two_stage_ms"] / res[denominator]
-        for p in peers:
-            if p.name in calls:
-                res[RATIO_KEY[p.name]] = res["ours_ms"] / res[f"{p.name}_ms"]
-        same = [a == b for a, b in zip(_topk_sets(two, sl), _topk_sets(exact, sl))]
-        res["two_stage_rows_equal_to_bf16"] = f"{sum(same)}/{len(same)}"
+        _compare_with_peers(res, exact, outs, peers, sl)
+        same = (_top(two) == _top(exact)).all(dim=1)
+        res["two_stage_rows_equal_to_bf16"] = f"{int(same.sum())}/{rows}"
         res["check_bf16"] = check_rows(exact, q, pool, w, sl, pt, keys, [0, rows // 2, rows - 1])
         rows_out.append(res)
         print(row_text(res), flush=True)
         if on_row is not None:
             on_row(rows_out)
-        del exact, two, scratch, q, w, sl, pt
+        del exact, two, scratch, outs, q, w, sl, pt
         if cases.DEV == "cuda":
             torch.cuda.empty_cache()
     return rows_out

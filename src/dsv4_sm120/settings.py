@@ -37,8 +37,8 @@ SWITCHES: tuple[Switch, ...] = (
         "DSV4_SM120_INDEX_K_SELECT",
         "exact",
         ("exact", "two_stage"),
-        "How a long prefill chunk selects bf16 index keys: exact scores every key in bf16; two_stage scans every key "
-        "at fp8 rate and re-scores the best 1,024 per row in bf16. Decode steps always score exactly.",
+        "two_stage: long prefill chunks scan bf16 index keys at fp8 rate, then re-score each row's best 1,024 in "
+        "bf16; decode always scores exactly.",
     ),
     Switch(
         "DSV4_SM120_INDEX_K_CHECKSUM",

@@ -218,8 +218,10 @@ def select(venv: Path, archs: tuple[int, ...], cache: Path, triton: bool, tilela
                 for n, why in sorted(reasons.items()) if n in reached or n in available}
 
     only_pd = sorted(set(reached) - set(resolve(base, available, python, skip)[0]) - skip) if pd else []
-    carried_without = set(resolve(roots, available, python, skip_without_flashinfer)[0]) - skip_without_flashinfer
-    only_flashinfer = sorted(set(carried) - carried_without) if flashinfer else []
+    only_flashinfer = []
+    if flashinfer:  # what the same roots carry with FlashInfer dropped, as without the option
+        carried_without = set(resolve(roots, available, python, skip_without_flashinfer)[0]) - skip_without_flashinfer
+        only_flashinfer = sorted(set(carried) - carried_without)
     selection = Selection(carried, decided(image), decided(dropped), trimmed, only_pd, only_flashinfer)
     return selection, "cp" + python.replace(".", "")
 

@@ -165,9 +165,9 @@ BASE_LIBRARIES = ("libc.so.6", "libm.so.6", "libdl.so.2", "librt.so.1", "libpthr
 
 
 # --with-flashinfer: FlashInfer (the pin's version) and what only it needs, taken off ``DROPPED``. sglang's
-# speculative sampling at temperature > 0 builds a JIT kernel that includes FlashInfer's headers, found by
-# importing nothing (``sglang/kernels/jit/utils/deps.py``); with FlashInfer importable the server's sampler also
-# takes FlashInfer's backend, as on a host where pip installed the pin.
+# speculative sampling at temperature > 0 builds a JIT kernel that includes FlashInfer's headers, found without
+# importing FlashInfer (``sglang/kernels/jit/utils/deps.py``); with FlashInfer importable, a server that leaves
+# ``--sampling-backend`` at its default also samples with FlashInfer, as on a host where pip installed the pin.
 FLASHINFER = ("flashinfer-python", "nvidia-cudnn-frontend", "cuda-tile", "nccl4py", "nccl-extensions",
               "nvidia-cutlass-dsl")
 FLASHINFER_REASON = ("speculative decoding sampled at temperature > 0 JIT-builds a kernel on FlashInfer's headers "

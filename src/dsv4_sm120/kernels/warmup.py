@@ -36,10 +36,10 @@ def serving_calls(device: torch.device, *, heads: int, checksum: bool = False, t
     freqs = zeros(PAGE_SLOTS, ROPE_DIM // 2, dtype=torch.complex64)
     keys = 2 * PAGE_SLOTS
 
-    def logits(rows):  # queries and weights as index_query_bf16 returns them
-        return lambda: mqa_logits.bf16_paged_mqa_logits(
+    def logits(rows, score=mqa_logits.bf16_paged_mqa_logits, *extra):  # queries, weights as index_query_bf16's
+        return lambda: score(
             zeros(rows, heads, HEAD_DIM, dtype=torch.bfloat16), pages, zeros(rows, heads, 1, dtype=torch.float32),
-            zeros(rows, dtype=torch.int32), zeros(rows, 2, dtype=torch.int32), keys)
+            zeros(rows, dtype=torch.int32), zeros(rows, 2, dtype=torch.int32), *extra, keys)
 
     def store(mode):  # every slot -1: skipped, so nothing is read through the plan or written
         n = 3
@@ -69,14 +69,11 @@ def serving_calls(device: torch.device, *, heads: int, checksum: bool = False, t
              ("query_store[decode]", query_and_store("decode"))]
     if checksum:
         calls.append(("page_checksum", lambda: page_checksum.page_checksum_triton(pages.view(torch.uint8).flatten(1))))
-    if two_stage:  # only prefill chunks select in two stages: the prefill scan, then the re-score
+    if two_stage:  # only prefill chunks select in two stages: the prefill scan, then the re-score (no candidate)
         rows = mqa_logits.PREFILL_ROWS
-        q, w = zeros(rows, heads, HEAD_DIM, dtype=torch.bfloat16), zeros(rows, heads, 1, dtype=torch.float32)
-        lens, table = zeros(rows, dtype=torch.int32), zeros(rows, 2, dtype=torch.int32)
-        calls += [("two_stage[prefill scan]",
-                   lambda: two_stage_logits.fp8_paged_mqa_logits(q, pages, w, lens, table, keys)),
-                  ("two_stage[re-score]", lambda: two_stage_logits.rescore_candidates(
-                      q, pages, w, lens, table, zeros(rows, 4, dtype=torch.int32) - 1, keys))]
+        calls += [("two_stage[prefill scan]", logits(rows, two_stage_logits.fp8_paged_mqa_logits)),
+                  ("two_stage[re-score]", logits(rows, two_stage_logits.rescore_candidates,
+                                                 zeros(rows, 4, dtype=torch.int32) - 1))]
     return calls
 
 
