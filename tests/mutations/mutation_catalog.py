@@ -321,6 +321,11 @@ MUTATIONS: tuple[Mutation, ...] = (
       (E(INDEX_K + "pd_late_writes.py", "            if rec.forwards % EVERY == 0 or _last_forward(req):\n",
          "            if rec.forwards % EVERY == 0:\n"),),
       ("tests/index_k/test_pd_integrity.py::test_a_late_write_after_the_sampled_rereads_is_found_at_the_requests_last_forward",)),
+    M("quarantine-counts-the-prompt", "abort safety: a quarantine counts the KV tokens its request holds",
+      (E("src/dsv4_sm120/nixl/decode_hold.py", "    return req.kv.kv_allocated_len - req.kv.cache_protected_len\n",
+         "    return len(req.origin_input_ids)\n"),),
+      ("tests/nixl/test_nixl_abort_safety.py::"
+       "test_an_aborted_rooms_pages_stay_held_past_the_release_timeout_until_its_late_write_landed[client_abort]",)),
     M("late-write-pages-freed-at-once", "PD abort safety: a request failed for a late write keeps its pages out of the allocator",
       (E(INDEX_K + "pd_late_write_hold.py", "    hold = _failed.pop(id(req), None) if _failed else None\n",
          "    hold = None\n"),),

@@ -68,15 +68,19 @@ def one_rank_gloo_group():
         return dist.new_group([0], backend="gloo")
 
 
+RESERVED_DECODE_TOKENS = 64  # what the decode preallocates past a prompt (upstream's reserved decode tokens)
+
+
 def pin_req(rid: str, room: int, tokens: int = 1, max_new_tokens: int = 1 << 20):
-    """The pin's own ``Req`` of a PD room, holding ``tokens`` KV tokens where upstream keeps that count."""
+    """The pin's own ``Req`` of a PD room, holding ``tokens`` KV tokens where upstream keeps that count; its
+    prompt is :data:`RESERVED_DECODE_TOKENS` shorter, as the decode preallocates past it."""
     from array import array
 
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    req = Req(rid, "", array("q", range(max(tokens, 1))), SamplingParams(max_new_tokens=max_new_tokens),
-              bootstrap_room=room)
+    prompt = max(tokens - RESERVED_DECODE_TOKENS, 1)
+    req = Req(rid, "", array("q", range(prompt)), SamplingParams(max_new_tokens=max_new_tokens), bootstrap_room=room)
     req.kv.kv_allocated_len = tokens
     return req
 

@@ -75,14 +75,16 @@ def test_an_aborted_rooms_pages_stay_held_past_the_release_timeout_until_its_lat
         deadline = time.monotonic() + SEND_DELAY_S + 10.0
         while time.monotonic() < deadline and not released_at:
             hold.resolve()
-            quarantined += [q.room for q in decode_hold.quarantined(hold.queue)]
+            quarantined += [(q.room, q.tokens) for q in decode_hold.quarantined(hold.queue)]
             time.sleep(0.005)
     assert released_at, "the pages were never released, even after the prefill acknowledged the drained write"
     time.sleep(max(0.0, began.at + SEND_DELAY_S + 1.0 - time.monotonic()))  # the late write has landed by now
     assert pd.quiesce(10.0)
     assert late_writes.stamped(pd, s.dst, NEW_OWNER), (
         "the aborted room's late NIXL write landed in pages already released to a new owner")
-    assert s.room in quarantined, "the pages were held past the timeout but not counted as quarantined"
+    assert (s.room, 256 * len(s.dst)) in quarantined, (
+        f"the pages were held past the timeout but not counted as quarantined with the KV tokens the request holds: "
+        f"{sorted(set(quarantined))}")
     assert not decode_hold.quarantined(hold.queue)
 
 
